@@ -1,0 +1,154 @@
+"""The inference bundle: the contract between training and serving.
+
+A bundle is a directory with
+    model.safetensors     consolidated fp32 weights (also from ZeRO-3 shards)
+    model.json            the model spec and the data schema (task, columns, classes, vocab)
+    preprocessors.json    the preprocessors fitted on the train split, as JSON
+    metrics.json          final metrics and the per-epoch history
+
+    bundle = load_bundle("runs/digits-20261129-101500/bundle")
+    bundle.predict([{"pixel_0": 0.0, ...}])   # -> {"predictions": [...], "probabilities": [...]}
+    bundle.generate("def main(", max_tokens=64, seed=0)   # gpt bundles
+
+Nothing is unpickled: weights come from safetensors, everything else from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+
+from flotilla.data import FEATURES, ByteWindows, apply_all, from_json
+from flotilla.errors import BundleError
+from flotilla.models import build_model
+
+WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
+    "model.safetensors",
+    "model.json",
+    "preprocessors.json",
+    "metrics.json",
+)
+BUNDLE_FILES = (WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON)
+
+
+def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: dict,
+                 preprocessors: dict, metrics: dict) -> Path:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state_dict.items()}, out / WEIGHTS)
+    (out / MODEL_JSON).write_text(json.dumps({"model": model_spec, "schema": schema}, indent=1))
+    (out / PREPROCESSORS_JSON).write_text(json.dumps(preprocessors, indent=1))
+    (out / METRICS_JSON).write_text(json.dumps(metrics, indent=1, default=float))
+    return out
+
+
+@dataclass
+class InferenceBundle:
+    path: Path
+    model: torch.nn.Module
+    model_spec: dict[str, Any]
+    schema: dict[str, Any]
+    feature_steps: list
+    classes: list | None
+    metrics: dict[str, Any]
+
+    @property
+    def task(self) -> str:
+        return self.schema["task"]
+
+    def transform(self, rows: pd.DataFrame | list[dict[str, Any]]) -> torch.Tensor:
+        """Raw rows → the model's input tensor, with the preprocessors fitted at training time."""
+        if self.task == "lm":
+            raise BundleError("this is a language-model bundle; use generate() or score()")
+        df = pd.DataFrame(rows) if not isinstance(rows, pd.DataFrame) else rows.copy()
+        columns = self.schema["feature_columns"]
+        missing = [c for c in columns if c not in df.columns]
+        if missing:
+            raise BundleError(
+                f"rows lack feature column(s) {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; "
+                f"this model needs {len(columns)} columns: {', '.join(columns[:10])}{' ...' if len(columns) > 10 else ''}"
+            )
+        df = df[columns].astype("float64")
+        features = apply_all(self.feature_steps, df)[FEATURES]
+        return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
+
+    @torch.no_grad()
+    def predict(self, rows: pd.DataFrame | list[dict[str, Any]]) -> dict[str, list]:
+        x = self.transform(rows)
+        out = self.model(x)
+        if self.task == "classification":
+            probs = torch.softmax(out.float(), dim=-1)
+            idx = probs.argmax(dim=-1).tolist()
+            return {"predictions": [self.classes[i] for i in idx], "probabilities": probs.tolist()}
+        return {"predictions": out.squeeze(-1).tolist()}
+
+    @torch.no_grad()
+    def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
+                        top_k: int | None = None, seed: int | None = None) -> Iterator[str]:
+        """Yield decoded text pieces as bytes are sampled (a piece ends on a UTF-8 boundary)."""
+        if self.task != "lm":
+            raise BundleError("generate() needs a language-model (gpt) bundle; use predict()")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        context = self.schema["context"]
+        ids = ByteWindows.encode(prompt) or [ord("\n")]
+        pending = b""
+        for _ in range(max_tokens):
+            logits = self.model(torch.tensor([ids[-context:]]))[0, -1].float()
+            if temperature <= 0:
+                nxt = int(logits.argmax())
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                    logits = logits.masked_fill(logits < kth, -math.inf)
+                nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            ids.append(nxt)
+            pending += bytes([nxt])
+            try:
+                piece = pending.decode("utf-8")
+            except UnicodeDecodeError:
+                if len(pending) < 4:
+                    continue
+                piece = pending.decode("utf-8", errors="replace")
+            pending = b""
+            yield piece
+        if pending:
+            yield pending.decode("utf-8", errors="replace")
+
+    def generate(self, prompt: str, **kwargs) -> str:
+        return "".join(self.generate_stream(prompt, **kwargs))
+
+
+def load_bundle(path: str | Path) -> InferenceBundle:
+    root = Path(path)
+    missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
+    if missing:
+        raise BundleError(f"{root} is not a complete inference bundle: missing {', '.join(missing)}")
+    meta = json.loads((root / MODEL_JSON).read_text())
+    preprocessors = json.loads((root / PREPROCESSORS_JSON).read_text())
+    model = build_model(meta["model"], meta["schema"])
+    state = load_file(root / WEIGHTS)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise BundleError(f"{root / WEIGHTS} does not match the model in {MODEL_JSON}: {e}") from None
+    model.eval()
+    label = preprocessors.get("label")
+    classes = meta["schema"].get("classes")
+    return InferenceBundle(
+        path=root,
+        model=model,
+        model_spec=meta["model"],
+        schema=meta["schema"],
+        feature_steps=[from_json(e) for e in preprocessors.get("features", [])],
+        classes=classes if label is not None else None,
+        metrics=json.loads((root / METRICS_JSON).read_text()),
+    )

@@ -1,0 +1,336 @@
+"""The run spec: one YAML file describes one reproducible run.
+
+    spec = load_spec("configs/digits.yaml", overrides=["train.lr=3e-4", "model.hidden=[256,128]"])
+
+Validation happens here, before Ray starts, and reports every problem at once; each line
+names the field (as the `--set` path), the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flotilla.errors import SpecError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- data
+class DataSpec(_Section):
+    """Where the rows come from and how they become tensors."""
+
+    source: str = Field(
+        "digits",
+        description="`digits` or `pycode` (built-in samples that need no download), or a Parquet/CSV "
+        "file, directory or glob: a local path or a pyarrow filesystem URI such as `s3://bucket/prefix/`.",
+    )
+    format: Literal["auto", "parquet", "csv"] = Field(
+        "auto", description="File format; `auto` decides from the file extension."
+    )
+    features: Optional[list[str]] = Field(
+        None, description="Feature columns (numeric). Null means every column except `label`."
+    )
+    label: Optional[str] = Field(
+        "target", description="Label column (classification or regression). Unused for text sources."
+    )
+    text_column: str = Field("text", description="Text column for language-model sources.")
+    task: Literal["auto", "classification", "regression"] = Field(
+        "auto",
+        description="`auto` treats string, boolean and integer labels as classes and float labels "
+        "as regression targets.",
+    )
+    scaling: Literal["standard", "minmax", "none"] = Field(
+        "standard", description="Numeric feature scaling, fitted on the train split only."
+    )
+    val_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of rows (or documents, for text) held out for validation."
+    )
+    split_seed: int = Field(
+        0, description="Seed of the train/validation split; the split is a hash of each row's content "
+        "and this seed, so it does not depend on file order or block layout."
+    )
+    max_bytes: Optional[int] = Field(
+        2_000_000,
+        gt=0,
+        description="For `pycode`: stop adding standard-library files once the corpus has this many "
+        "bytes (keeps CPU runs short). Null takes every file.",
+    )
+
+
+# -------------------------------------------------------------------------- models
+Activation = Literal["relu", "gelu", "tanh", "silu"]
+
+
+class MLPSpec(_Section):
+    """A multi-layer perceptron for classification or regression on numeric features."""
+
+    kind: Literal["mlp"] = "mlp"
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+        [128, 64], description="Hidden layer widths, input to output."
+    )
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout after each hidden layer.")
+    activation: Activation = Field("relu", description="Hidden-layer activation.")
+
+
+class GPTSpec(_Section):
+    """A decoder-only transformer language model over bytes."""
+
+    kind: Literal["gpt"] = "gpt"
+    layers: int = Field(4, gt=0, description="Transformer blocks.")
+    heads: int = Field(4, gt=0, description="Attention heads per block; must divide `width`.")
+    width: int = Field(128, gt=0, description="Embedding width (d_model).")
+    context: int = Field(128, gt=1, description="Context length in tokens (bytes).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention and MLP outputs.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in the backward pass (less memory, ~30% more compute)."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "GPTSpec":
+        if self.width % self.heads:
+            raise ValueError(
+                f"`--model.heads` ({self.heads}) must divide `--model.width` ({self.width}); "
+                f"try heads={_divisor_near(self.width, self.heads)}"
+            )
+        return self
+
+
+class CustomModelSpec(_Section):
+    """A user model: `factory(model_spec: dict, schema: dict) -> torch.nn.Module`."""
+
+    kind: Literal["custom"] = "custom"
+    factory: str = Field(
+        ..., description="Import path `package.module:function`, importable from the working directory."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form options passed to the factory inside the model spec."
+    )
+
+
+ModelSpec = Annotated[Union[MLPSpec, GPTSpec, CustomModelSpec], Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------- train
+class TrainSpec(_Section):
+    """How the model is trained: Ray Train workers, DeepSpeed, schedule, checkpoints."""
+
+    num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs reserved per worker; also its torch thread count.")
+    gpus_per_worker: float = Field(0, ge=0, description="GPUs per worker; > 0 trains on CUDA with NCCL.")
+    epochs: int = Field(10, gt=0, description="Passes over the train split.")
+    batch_size: int = Field(64, gt=0, description="Micro-batch per worker per step.")
+    grad_accum: int = Field(
+        1, gt=0, description="Micro-batches accumulated per optimizer step (simulates a larger batch)."
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of optimizer steps spent warming the LR up linearly."
+    )
+    min_lr_ratio: float = Field(
+        0.01, ge=0, le=1, description="Cosine decay ends at `lr * min_lr_ratio`."
+    )
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO-Offload of optimizer state to CPU memory (stages 1-3, GPU training)."
+    )
+    offload_params: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO-Infinity offload of parameters to CPU memory (stage 3, GPU training)."
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="`auto`: bf16 on GPUs that support it, fp16 with dynamic loss scaling on older GPUs, "
+        "fp32 on CPUs without native bf16 matrix units.",
+    )
+    seed: int = Field(0, description="Seed for weights, dropout and data order.")
+    max_failures: int = Field(
+        2, ge=-1, description="Worker failures to recover from (restart + resume from the last checkpoint); -1 is unlimited."
+    )
+    run_name: Optional[str] = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name of the run under `storage_path`. Re-running with the same name resumes it; "
+        "null makes a new name from the spec name and the time.",
+    )
+    storage_path: str = Field(
+        "runs", description="Where checkpoints and the bundle go: a local directory or a pyarrow URI."
+    )
+    checkpoints_to_keep: int = Field(
+        2, ge=1, description="Checkpoints kept per run; more than one lets a torn latest fall back to the one before."
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> "TrainSpec":
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise ValueError(
+                "`--train.offload_params` needs `--train.zero_stage=3`; set zero_stage to 3 or offload_params to none"
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                "`--train.offload_optimizer` needs ZeRO stage 1, 2 or 3; raise `--train.zero_stage` or set offload_optimizer to none"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------- spec
+class RunSpec(_Section):
+    """One reproducible run."""
+
+    name: str = Field(
+        "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Name of the spec; prefixes run names."
+    )
+    data: DataSpec = Field(default_factory=DataSpec, description="Input data and preprocessing.")
+    model: ModelSpec = Field(default_factory=MLPSpec, description="The model to train.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Training and checkpoints.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_kind_defaults_to_mlp(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "kind" not in raw["model"]:
+            raw = {**raw, "model": {"kind": "mlp", **raw["model"]}}
+        return raw
+
+    @model_validator(mode="after")
+    def _model_fits_data(self) -> "RunSpec":
+        if isinstance(self.model, GPTSpec) and self.data.source == "digits":
+            raise ValueError("`--model.kind=gpt` needs a text source such as `--data.source=pycode`")
+        if isinstance(self.model, MLPSpec) and self.data.source == "pycode":
+            raise ValueError("`--data.source=pycode` is text; use `--model.kind=gpt`")
+        return self
+
+
+# -------------------------------------------------------------------- loading
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
+    """Load a YAML run spec, apply `a.b=c` overrides, validate, and return it.
+
+    Raises `SpecError` listing every problem at once.
+    """
+    source = str(path) if path else "built-in default spec"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError([f"config file {str(p)!r} does not exist; configs/ has {_list_configs()}"], source)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise SpecError([f"not valid YAML: {e}"], source) from None
+        if not isinstance(raw, dict):
+            raise SpecError([f"the top level must be a mapping of sections, got {type(raw).__name__}"], source)
+    problems = []
+    for item in overrides or []:
+        try:
+            apply_override(raw, item)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise SpecError(problems, source)
+    return validate_spec(raw, source)
+
+
+def validate_spec(raw: dict[str, Any], source: str = "run spec") -> RunSpec:
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as e:
+        raise SpecError([_describe(err) for err in e.errors()], source) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set a.b.c=value` override in place; the value is parsed as YAML."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} must look like `section.field=value`, e.g. `train.lr=3e-4`")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {item!r}: `{part}` is a value, not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def spec_to_yaml(spec: RunSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+# ------------------------------------------------------------- error messages
+def _describe(err: dict[str, Any]) -> str:
+    path, model_cls = _resolve_loc(err["loc"])
+    dotted = ".".join(path) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = sorted(model_cls.model_fields) if model_cls else []
+        close = difflib.get_close_matches(path[-1], allowed, n=1, cutoff=0.5)
+        hint = f"; did you mean `{'.'.join(path[:-1] + [close[0]])}`?" if close else ""
+        return f"`{dotted}`: unknown key{hint} Allowed keys here: {', '.join(allowed)}"
+    if kind == "union_tag_invalid":
+        return f"`{dotted}.kind`: {err['input'].get('kind')!r} is not a model kind; allowed: mlp, gpt, custom"
+    if kind == "union_tag_not_found":
+        return f"`{dotted}.kind` is missing; allowed: mlp, gpt, custom"
+    value = err.get("input")
+    shown = "" if kind == "missing" or isinstance(value, dict) else f" (got {value!r})"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"`{dotted}`: {msg}{shown}"
+
+
+def _resolve_loc(loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """Turn a pydantic error location into the `--set` path and the model that owns its last key."""
+    path: list[str] = []
+    cls: Any = RunSpec
+    owner: type[BaseModel] | None = RunSpec
+    pending_union: list[type[BaseModel]] | None = None
+    for part in loc:
+        if pending_union is not None:
+            chosen = next((m for m in pending_union if m.model_fields["kind"].default == part), None)
+            pending_union = None
+            if chosen is not None:  # a discriminator tag, not a key
+                cls = owner = chosen
+                continue
+        path.append(str(part))
+        if isinstance(cls, type) and issubclass(cls, BaseModel) and part in cls.model_fields:
+            owner = cls
+            annotation = cls.model_fields[part].annotation
+            members = [a for a in _flatten(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(members) > 1:
+                pending_union, cls = members, None
+            elif members:
+                cls = members[0]
+            else:
+                cls = None
+        elif isinstance(cls, type) and issubclass(cls, BaseModel):
+            owner = cls
+            cls = None
+    return path, owner
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Annotated:
+        return _flatten(args[0])
+    if args and typing.get_origin(annotation) in (Union, getattr(__import__("types"), "UnionType", Union)):
+        return [m for a in args for m in _flatten(a)]
+    return [annotation]
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+def _list_configs() -> str:
+    configs = sorted(Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
+    return ", ".join(str(c) for c in configs) or "no YAML files"

@@ -1,0 +1,144 @@
+"""Where rows come from: user files (local or any pyarrow filesystem URI) and built-in samples.
+
+The built-in samples are written once to Parquet under the cache directory, so they go
+through the same reader as user data.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from flotilla.errors import DataError
+
+BUILTIN_SOURCES = ("digits", "pycode")
+_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """The concrete files behind `data.source`."""
+
+    description: str  # what the user wrote (or the built-in name)
+    paths: list[str]  # filesystem paths, sorted
+    filesystem: pafs.FileSystem
+    format: str  # "parquet" or "csv"
+
+
+def cache_dir() -> Path:
+    """Where built-in samples are written: $FLOTILLA_CACHE or ~/.cache/flotilla."""
+    return Path(os.environ.get("FLOTILLA_CACHE", Path.home() / ".cache" / "flotilla"))
+
+
+def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None) -> ResolvedSource:
+    if source == "digits":
+        return ResolvedSource("digits", [str(_write_digits())], pafs.LocalFileSystem(), "parquet")
+    if source == "pycode":
+        return ResolvedSource("pycode", [str(_write_pycode(max_bytes))], pafs.LocalFileSystem(), "parquet")
+
+    fs, base = _filesystem_for(source)
+    if _GLOB_CHARS & set(base):
+        root = base[: min(base.index(c) for c in _GLOB_CHARS if c in base)].rpartition("/")[0] or "/"
+        infos = _list_files(fs, root, source)
+        paths = sorted(i.path for i in infos if fnmatch.fnmatch(i.path, base))
+        if not paths:
+            raise DataError(f"data.source {source!r} matches no files; check the pattern or list {root!r}")
+    else:
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(
+                f"data.source {source!r} does not exist; point `--set data.source=...` at a Parquet/CSV "
+                f"file, a directory of them, or a glob, or use a built-in sample ({', '.join(BUILTIN_SOURCES)})"
+            )
+        if info.type == pafs.FileType.Directory:
+            paths = sorted(
+                i.path
+                for i in _list_files(fs, base, source)
+                if Path(i.path).suffix.lower() in _EXTENSIONS and not Path(i.path).name.startswith((".", "_"))
+            )
+            if not paths:
+                raise DataError(f"data.source {source!r} is a directory with no .parquet or .csv files")
+        else:
+            paths = [base]
+    return ResolvedSource(source, paths, fs, _decide_format(source, paths, fmt))
+
+
+def _filesystem_for(source: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in source:
+        try:
+            return pafs.FileSystem.from_uri(source)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+            raise DataError(f"data.source {source!r}: pyarrow cannot open this URI ({e})") from None
+    return pafs.LocalFileSystem(), str(Path(source).expanduser().resolve())
+
+
+def _list_files(fs: pafs.FileSystem, root: str, source: str) -> list[pafs.FileInfo]:
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except (FileNotFoundError, OSError) as e:
+        raise DataError(f"data.source {source!r}: cannot list {root!r} ({e})") from None
+    return [i for i in infos if i.type == pafs.FileType.File]
+
+
+def _decide_format(source: str, paths: list[str], fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    kinds = {_EXTENSIONS.get(Path(p).suffix.lower()) for p in paths}
+    if len(kinds) == 1 and None not in kinds:
+        return kinds.pop()
+    raise DataError(
+        f"data.source {source!r}: cannot tell the format from the file names "
+        f"({', '.join(sorted(Path(p).suffix or '(none)' for p in paths[:5]))}); set `--set data.format=parquet` or `csv`"
+    )
+
+
+def _atomic_write_parquet(table: pa.Table, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)  # readers never see a half-written file
+    return path
+
+
+def _write_digits() -> Path:
+    """scikit-learn's bundled 8x8 digits: 1797 rows, pixel_0..pixel_63 (0-16) and `target`."""
+    path = cache_dir() / "datasets" / "digits.parquet"
+    if path.exists():
+        return path
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    columns = {f"pixel_{i}": pa.array(bunch.data[:, i].astype("float32")) for i in range(bunch.data.shape[1])}
+    columns["target"] = pa.array(bunch.target.astype("int64"))
+    return _atomic_write_parquet(pa.table(columns), path)
+
+
+def _write_pycode(max_bytes: int | None) -> Path:
+    """A byte-level corpus: the standard library's .py files, in path order, up to max_bytes."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tag = f"py{sysconfig.get_python_version()}-{max_bytes or 'all'}"
+    path = cache_dir() / "datasets" / f"pycode-{tag}.parquet"
+    if path.exists():
+        return path
+    names, texts, total = [], [], 0
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    for file in sorted(stdlib.rglob("*.py")):
+        if skip & set(file.relative_to(stdlib).parts):
+            continue
+        text = file.read_bytes().decode("utf-8", errors="replace")
+        names.append(str(file.relative_to(stdlib)))
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+        if max_bytes and total >= max_bytes:
+            break
+    if not texts:
+        raise DataError(f"no .py files under {stdlib}; the pycode sample needs the Python standard library sources")
+    return _atomic_write_parquet(pa.table({"path": names, "text": texts}), path)

@@ -1,0 +1,100 @@
+"""A decoder-only transformer language model (GPT-2 style, pre-norm) over byte tokens.
+
+Attention goes through `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`,
+which picks a fused kernel where the device has one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, context: int, layers: int, heads: int, width: int,
+                 dropout: float = 0.0, activation_checkpointing: bool = False):
+        super().__init__()
+        self.context = context
+        self.activation_checkpointing = activation_checkpointing
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        positions = torch.arange(t, device=tokens.device)
+        x = self.drop(self.tok(tokens) + self.pos(positions))
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_gpt(spec: dict, schema: dict) -> GPT:
+    return GPT(
+        vocab_size=schema["vocab_size"],
+        context=spec["context"],
+        layers=spec["layers"],
+        heads=spec["heads"],
+        width=spec["width"],
+        dropout=spec["dropout"],
+        activation_checkpointing=spec["activation_checkpointing"],
+    )
+
+
+def flops_per_token(spec: dict, num_params: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus 12·L·T·d for attention scores.
+
+    From the PaLM paper (Chowdhery et al. 2022), appendix B; activation checkpointing's
+    recomputation is not counted, as is customary for model FLOPs utilization.
+    """
+    return 6 * num_params + 12 * spec["layers"] * spec["context"] * spec["width"]

@@ -1,0 +1,230 @@
+"""Training: Ray Train `TorchTrainer` workers running DeepSpeed ZeRO, from a run spec.
+
+    outcome = run_training(spec)       # starts a local Ray if none is running
+    outcome.bundle_path, outcome.metrics, outcome.history
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+import flotilla
+from flotilla.config import RunSpec, spec_to_yaml
+from flotilla.data import prepare_data
+from flotilla.errors import ClusterError, FlotillaError, TrainingError
+from flotilla.train._checkpoint import problems as checkpoint_problems
+from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
+from flotilla.train._loop import BUNDLE_DIR, consolidated_fp32_state_dict, format_epoch, train_loop_per_worker
+from flotilla.train._precision import cpu_has_native_bf16, measured_peak_flops, resolve_precision
+
+__all__ = [
+    "TrainingOutcome",
+    "check_cluster_fits",
+    "checkpoint_problems",
+    "consolidated_fp32_state_dict",
+    "cpu_has_native_bf16",
+    "deepspeed_config",
+    "ensure_ray",
+    "format_epoch",
+    "measured_peak_flops",
+    "optimizer_steps",
+    "resolve_precision",
+    "run_training",
+    "train_loop_per_worker",
+]
+
+PACKAGE_DIR = str(Path(flotilla.__file__).resolve().parent)
+
+
+@dataclass
+class TrainingOutcome:
+    run_name: str
+    run_dir: str  # storage_path/run_name (a local path or a URI)
+    bundle_path: str
+    metrics: dict[str, Any]  # the last epoch's
+    history: list[dict[str, Any]] = field(default_factory=list)
+    fingerprint: str = ""
+
+
+# Ray Data's read and transform tasks need a CPU slot of their own while the workers hold
+# theirs; with none left the input pipeline never starts and training waits forever.
+DATA_CPUS = 1
+
+
+def ensure_ray(spec: RunSpec | None = None, **init_kwargs) -> None:
+    """Connect to the cluster in RAY_ADDRESS (or the job's), or start a local one.
+
+    A local cluster gets enough logical CPUs for the workers plus Ray Data's tasks (they
+    share the machine's cores). `platform/flotilla` travels to every worker as a runtime_env
+    py_module, so a cluster runs the checkout as it is, without installing Flotilla on its nodes.
+    """
+    if ray.is_initialized():
+        return
+    if spec is not None and "address" not in init_kwargs and not _cluster_address():
+        needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
+        init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
+        init_kwargs.setdefault("num_gpus", _local_gpus())
+    ray.init(runtime_env={"py_modules": [PACKAGE_DIR]}, **init_kwargs)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def check_cluster_fits(spec: RunSpec) -> None:
+    """Fail fast when the workers can never be placed, instead of pending forever."""
+    t = spec.train
+    total = ray.cluster_resources()
+    need = {"CPU": t.num_workers * t.cpus_per_worker, "GPU": t.num_workers * t.gpus_per_worker}
+    problems = []
+    for resource, amount in need.items():
+        have = total.get(resource, 0.0)
+        extra = DATA_CPUS if resource == "CPU" else 0
+        if amount + extra > have:
+            per = "cpus_per_worker" if resource == "CPU" else "gpus_per_worker"
+            data_note = f" plus {DATA_CPUS} for Ray Data's input pipeline" if extra else ""
+            problems.append(
+                f"train.num_workers={t.num_workers} x train.{per}={getattr(t, per):g} needs {amount:g} {resource}s"
+                f"{data_note}, but the cluster has {have:g} in all; lower train.num_workers or train.{per}, or add nodes"
+            )
+    if problems:
+        raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
+
+
+def run_training(spec: RunSpec) -> TrainingOutcome:
+    t = spec.train
+    run_name = t.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage = t.storage_path if "://" in t.storage_path else str(Path(t.storage_path).expanduser().resolve())
+    ensure_ray(spec)
+    check_cluster_fits(spec)
+
+    prepared = prepare_data(spec)
+    print(
+        f"[{run_name}] data {prepared.source.description!r}: {prepared.train_rows} train / {prepared.val_rows} val "
+        f"rows, fingerprint {prepared.fingerprint[:12]}",
+        flush=True,
+    )
+    _write_run_record(storage, run_name, spec, prepared.fingerprint)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "spec": spec.model_dump(mode="json"),
+            "schema": prepared.schema,
+            "preprocessors": prepared.preprocessors,
+            "fingerprint": prepared.fingerprint,
+            "train_rows": prepared.train_rows,
+            "run_name": run_name,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=t.num_workers,
+            use_gpu=t.gpus_per_worker > 0,
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+        ),
+        datasets={"train": prepared.train, "val": prepared.val},
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise _explain(e) from e
+    if result.checkpoint is None:
+        raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
+
+    fs, run_dir = _filesystem(storage)
+    run_dir = f"{run_dir}/{run_name}"
+    bundle_path = f"{run_dir}/{BUNDLE_DIR}"
+    source_fs, source_path = result.checkpoint.filesystem, f"{result.checkpoint.path}/{BUNDLE_DIR}"
+    fs.create_dir(bundle_path, recursive=True)
+    pafs.copy_files(source_path, bundle_path, source_filesystem=source_fs, destination_filesystem=fs)
+    with fs.open_input_stream(f"{bundle_path}/metrics.json") as f:
+        bundle_metrics = json.loads(f.read())
+    shown = bundle_path if "://" in t.storage_path else str(Path(bundle_path))
+    return TrainingOutcome(
+        run_name=run_name,
+        run_dir=run_dir,
+        bundle_path=shown,
+        metrics=bundle_metrics["final"],
+        history=bundle_metrics["history"],
+        fingerprint=prepared.fingerprint,
+    )
+
+
+def _cluster_address() -> str | None:
+    """The cluster `ray.init()` would join: RAY_ADDRESS, a `ray job submit` job's, or one that
+    `ray start` left on this machine. None means `ray.init()` starts a local cluster."""
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return os.environ.get("RAY_ADDRESS", "job")
+    from ray._private.services import canonicalize_bootstrap_address  # the lookup ray.init() does
+
+    try:
+        return canonicalize_bootstrap_address(None)
+    except Exception:  # a stale address file: ray.init() will say so itself
+        return None
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _filesystem(storage: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in storage:
+        return pafs.FileSystem.from_uri(storage)
+    return pafs.LocalFileSystem(), storage
+
+
+def _write_run_record(storage: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
+    fs, root = _filesystem(storage)
+    fs.create_dir(f"{root}/{run_name}", recursive=True)
+    with fs.open_output_stream(f"{root}/{run_name}/spec.yaml") as f:
+        f.write(spec_to_yaml(spec).encode())
+    with fs.open_output_stream(f"{root}/{run_name}/fingerprint.txt") as f:
+        f.write(f"{fingerprint}\n".encode())
+
+
+def _explain(error: ray.train.TrainingFailedError) -> FlotillaError:
+    """The workers' own exception, not Ray's wrapper: a FlotillaError as is, else a TrainingError."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        root = _root_cause(failure)
+        if isinstance(root, FlotillaError):
+            return root
+        return TrainingError(f"training failed on rank {rank}: {type(root).__name__}: {_last_line(root)}")
+    root = _root_cause(error)
+    if isinstance(root, FlotillaError):
+        return root
+    return TrainingError(f"training failed: {type(root).__name__}: {_last_line(root)}")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, FlotillaError):
+            return exc
+        nxt = getattr(exc, "cause", None) or exc.__cause__ or getattr(exc, "controller_failure", None)
+        if not isinstance(nxt, BaseException):
+            break
+        exc = nxt
+    return exc
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -1,0 +1,140 @@
+"""Checkpoints that can be verified before they are loaded.
+
+Every rank writes its DeepSpeed files (and its RNG state) into its own directory, then, last,
+a manifest `manifest/rank{r}.json` listing each file with its size and SHA-256. Ray Train
+merges the ranks' directories into one checkpoint in the run's storage. A checkpoint is
+complete when every rank's manifest is there and every listed file matches; anything else
+(a rank that died mid-write, a truncated upload) is torn and is never loaded: the newest
+complete earlier checkpoint of the run is used instead, or the run stops and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+from ray.train import Checkpoint
+
+from flotilla.errors import CheckpointError
+
+MANIFEST_DIR = "manifest"
+STATE_FILE = "state.json"
+DS_TAG = "ds"
+
+
+def save(engine, directory: str, rank: int, world_size: int, state: dict[str, Any]) -> None:
+    """Write this rank's part of a checkpoint into `directory` (collective: all ranks call it)."""
+    engine.save_checkpoint(directory, tag=DS_TAG)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, os.path.join(directory, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        _write_json(Path(directory) / STATE_FILE, state)
+    _write_manifest(directory, rank, world_size, state)
+
+
+def load(engine, directory: str, rank: int) -> dict[str, Any]:
+    """Restore model, optimizer, LR schedule and RNG from a verified checkpoint directory."""
+    load_path, _ = engine.load_checkpoint(directory, tag=DS_TAG)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint under {directory!r}")
+    state = json.loads((Path(directory) / STATE_FILE).read_text())
+    rng_file = Path(directory) / f"rng_rank{rank}.pt"
+    if rng_file.exists():  # absent when the world grew since the checkpoint
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def problems(directory: str) -> list[str]:
+    """Why the checkpoint in `directory` is incomplete; an empty list means it is complete."""
+    root = Path(directory)
+    manifests = sorted((root / MANIFEST_DIR).glob("rank*.json"))
+    if not manifests:
+        return ["no rank manifests (the write never finished)"]
+    found: list[str] = []
+    world_size = None
+    for manifest_file in manifests:
+        try:
+            manifest = json.loads(manifest_file.read_text())
+        except (OSError, ValueError):
+            found.append(f"{manifest_file.name} is unreadable")
+            continue
+        world_size = manifest["world_size"]
+        for rel, meta in manifest["files"].items():
+            path = root / rel
+            if not path.is_file():
+                found.append(f"rank {manifest['rank']}: {rel} is missing")
+            elif path.stat().st_size != meta["size"]:
+                found.append(f"rank {manifest['rank']}: {rel} has {path.stat().st_size} bytes, expected {meta['size']}")
+            elif _sha256(path) != meta["sha256"]:
+                found.append(f"rank {manifest['rank']}: {rel} does not match its checksum")
+    if world_size is not None:
+        missing = sorted(set(range(world_size)) - {int(m.stem.removeprefix("rank")) for m in manifests})
+        if missing:
+            found.append(f"manifests of rank(s) {', '.join(map(str, missing))} are missing")
+    return found
+
+
+def choose(latest: Checkpoint) -> tuple[Checkpoint, str | None]:
+    """The newest complete checkpoint, starting from Ray's latest; and a note if it was not the latest."""
+    with latest.as_directory() as directory:
+        torn = problems(directory)
+    if not torn:
+        return latest, None
+    fs: pafs.FileSystem = latest.filesystem
+    parent = latest.path.rstrip("/").rpartition("/")[0]
+    candidates = []
+    for info in fs.get_file_info(pafs.FileSelector(parent, recursive=False)):
+        if info.type != pafs.FileType.Directory or info.path.rstrip("/") == latest.path.rstrip("/"):
+            continue
+        try:
+            with fs.open_input_stream(f"{info.path}/{STATE_FILE}") as f:
+                step = json.loads(f.read())["global_step"]
+        except (OSError, ValueError, KeyError):
+            continue
+        candidates.append((step, info.path))
+    for _, path in sorted(candidates, reverse=True):
+        candidate = Checkpoint(path=path, filesystem=fs)
+        with candidate.as_directory() as directory:
+            if not problems(directory):
+                note = f"checkpoint {latest.path} is torn ({'; '.join(torn[:3])}); resuming from {path} instead"
+                return candidate, note
+    raise CheckpointError(
+        f"checkpoint {latest.path} is torn ({'; '.join(torn[:3])}) and the run has no complete earlier "
+        f"checkpoint under {parent}; start a new run (`--set train.run_name=<new name>`) or restore the files"
+    )
+
+
+def _write_manifest(directory: str, rank: int, world_size: int, state: dict[str, Any]) -> None:
+    root = Path(directory)
+    files = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and not rel.startswith(MANIFEST_DIR + "/"):
+            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"rank": rank, "world_size": world_size, "global_step": state["global_step"], "files": files}
+    _write_json(root / MANIFEST_DIR / f"rank{rank}.json", manifest)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,64 @@
+"""The DeepSpeed config generated from the spec's `train` section."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flotilla.config import TrainSpec
+
+
+def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int, int]:
+    """(micro-batches per epoch per rank, optimizer steps per epoch).
+
+    Ray Train splits the train set into equal shards (`streaming_split(equal=True)`), so every
+    rank sees `train_rows // world_size` rows.
+    """
+    micro = max(1, math.ceil((train_rows // world_size) / t.batch_size))
+    return micro, max(1, math.ceil(micro / t.grad_accum))
+
+
+def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool) -> dict[str, Any]:
+    warmup = int(t.warmup_fraction * total_steps)
+    zero: dict[str, Any] = {"stage": t.zero_stage}
+    if t.zero_stage in (1, 2, 3) and t.offload_optimizer == "cpu" and gpu:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if t.zero_stage == 3:
+        if t.offload_params == "cpu" and gpu:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        # Gather the full fp16/bf16 weights on save so `save_16bit_model` works too.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * t.grad_accum * world_size,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": list(t.betas),
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                # torch's AdamW: DeepSpeed's fused/CPU Adam kernels need a JIT build per
+                # device; torch's runs everywhere (DeepSpeed still shards its state).
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(1, total_steps),
+                "warmup_num_steps": warmup,
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": t.min_lr_ratio,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        # loss_scale 0 = dynamic loss scaling.
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**9,  # Flotilla prints its own per-epoch line
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,255 @@
+"""The per-worker training loop: the only training loop in Flotilla.
+
+`pipelines/train.py`, every Tune trial and every benchmark run it through `TorchTrainer`.
+Each Ray Train worker builds the model, wraps it with `deepspeed.initialize`, resumes from
+the newest complete checkpoint if there is one, and per epoch: trains on its shard of the
+train split, evaluates on its shard of the validation split, reduces the metrics across
+ranks, checkpoints (every rank) and reports. After the last epoch the consolidated fp32
+weights go into the inference bundle inside the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import deepspeed
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.utils import safe_get_full_fp32_param
+
+from flotilla.bundle import write_bundle
+from flotilla.config import RunSpec
+from flotilla.data import FEATURES, TOKENS
+from flotilla.models import build_model, flops_per_token
+from flotilla.train import _checkpoint
+from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
+from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
+
+BUNDLE_DIR = "bundle"
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    spec = RunSpec.model_validate(config["spec"])
+    t = spec.train
+    schema: dict[str, Any] = config["schema"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        # One thread per reserved CPU: more only fights the other ranks for the same cores.
+        torch.set_num_threads(max(1, int(t.cpus_per_worker)))
+    precision = resolve_precision(t.precision, device)
+    dtype = torch_dtype(precision)
+
+    torch.manual_seed(t.seed)  # identical initial weights on every rank
+    model_spec = spec.model.model_dump(mode="json")
+    model = build_model(model_spec, schema)
+    num_params = sum(p.numel() for p in model.parameters())
+    micro_batches, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda"),
+    )
+    torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
+
+    start_epoch, history, resumed_from = 0, [], None
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        chosen, note = _checkpoint.choose(latest)
+        if note and rank == 0:
+            print(f"WARNING: {note}", flush=True)
+        with chosen.as_directory() as directory:
+            state = _checkpoint.load(engine, directory, rank)
+        start_epoch, history, resumed_from = state["epoch"], state["history"], state["global_step"]
+        if rank == 0:
+            print(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path})", flush=True)
+
+    is_lm = schema["task"] == "lm"
+    peak = measured_peak_flops(device.type, precision) if is_lm else None
+    attempt = _broadcast(uuid.uuid4().hex[:6] if rank == 0 else None)
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("val")
+    batch_dtypes = _batch_dtypes(schema)
+
+    for epoch in range(start_epoch, t.epochs):
+        engine.train()
+        loss_sum, samples, started = 0.0, 0, time.perf_counter()
+        for batch in train_shard.iter_torch_batches(
+            batch_size=t.batch_size,
+            dtypes=batch_dtypes,
+            device=device,
+            local_shuffle_buffer_size=t.batch_size * 8,
+            local_shuffle_seed=t.seed + 1000 * epoch + rank,
+        ):
+            inputs, targets = _split(batch, schema, dtype)
+            loss = _loss(engine(inputs), targets, schema, "mean")
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.item() * len(targets)
+            samples += len(targets)
+        train_time = time.perf_counter() - started
+
+        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
+        totals = _all_reduce([loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"]], device)
+        slowest = _all_reduce([train_time], device, op=dist.ReduceOp.MAX)[0]
+        metrics: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "global_step": int(engine.global_steps),
+            "train_loss": totals[0] / max(totals[1], 1),
+            "val_loss": totals[2] / max(totals[4], 1),
+            "samples_per_s": totals[1] / slowest if slowest > 0 else 0.0,
+            "epoch_time_s": slowest,
+            "precision": precision,
+            "zero_stage": t.zero_stage,
+            "world_size": world,
+        }
+        if schema["task"] == "classification":
+            metrics["val_accuracy"] = totals[3] / max(totals[5], 1)
+        elif schema["task"] == "regression":
+            metrics["val_rmse"] = math.sqrt(metrics["val_loss"])
+        else:
+            metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * schema["context"]
+            metrics["mfu"] = flops_per_token(model_spec, num_params) * metrics["tokens_per_s"] / (peak * world)
+        if resumed_from is not None:
+            metrics["resumed_from_step"] = resumed_from
+        history.append(metrics)
+        final = epoch + 1 == t.epochs
+
+        with tempfile.TemporaryDirectory(prefix="flotilla-ckpt-") as directory:
+            if final:
+                _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
+                              metrics, history, val["probe"], dtype)
+            state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
+            _checkpoint.save(engine, directory, rank, world, state)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(directory),
+                checkpoint_dir_name=f"checkpoint_epoch{epoch + 1:04d}_{attempt}",
+            )
+        if rank == 0:
+            print(format_epoch(config["run_name"], metrics, t.epochs), flush=True)
+
+
+def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
+    parts = [
+        f"[{run_name}] epoch {m['epoch']}/{epochs}",
+        f"step {m['global_step']}",
+        f"train_loss {m['train_loss']:.4f}",
+        f"val_loss {m['val_loss']:.4f}",
+    ]
+    for key, fmt in (("val_accuracy", ".4f"), ("val_rmse", ".4f"), ("val_perplexity", ".2f")):
+        if key in m:
+            parts.append(f"{key} {m[key]:{fmt}}")
+    parts.append(f"{m['samples_per_s']:.0f} samples/s")
+    if "tokens_per_s" in m:
+        parts += [f"{m['tokens_per_s']:.0f} tokens/s", f"MFU {m['mfu']:.1%}"]
+    parts.append(f"({m['precision']}, ZeRO-{m['zero_stage']}, {m['world_size']} workers, {m['epoch_time_s']:.1f}s)")
+    return "  ".join(parts)
+
+
+def _batch_dtypes(schema: dict[str, Any]) -> dict[str, torch.dtype]:
+    if schema["task"] == "lm":
+        return {TOKENS: torch.int64}
+    label_dtype = torch.int64 if schema["task"] == "classification" else torch.float32
+    return {FEATURES: torch.float32, schema["label_column"]: label_dtype}
+
+
+def _split(batch: dict[str, torch.Tensor], schema: dict[str, Any], dtype: torch.dtype):
+    if schema["task"] == "lm":
+        tokens = batch[TOKENS]
+        return tokens[:, :-1], tokens[:, 1:]
+    return batch[FEATURES].to(dtype), batch[schema["label_column"]]
+
+
+def _loss(out: torch.Tensor, targets: torch.Tensor, schema: dict[str, Any], reduction: str) -> torch.Tensor:
+    out = out.float()
+    if schema["task"] == "classification":
+        return F.cross_entropy(out, targets, reduction=reduction)
+    if schema["task"] == "regression":
+        return F.mse_loss(out.squeeze(-1), targets, reduction=reduction)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction=reduction)
+
+
+@torch.no_grad()
+def _evaluate(engine, shard, schema, dtype, batch_size, device) -> dict[str, Any]:
+    engine.eval()
+    loss_sum, correct, count, rows, probe = 0.0, 0, 0, 0, None
+    for batch in shard.iter_torch_batches(batch_size=batch_size, dtypes=_batch_dtypes(schema), device=device):
+        inputs, targets = _split(batch, schema, dtype)
+        if probe is None:
+            probe = inputs
+        out = engine(inputs)
+        loss_sum += _loss(out, targets, schema, "sum").item()
+        count += targets.numel()
+        rows += len(targets)
+        if schema["task"] == "classification":
+            correct += int((out.argmax(dim=-1) == targets).sum())
+    return {"loss_sum": loss_sum, "correct": correct, "count": count, "rows": rows, "probe": probe}
+
+
+def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Full fp32 weights on every rank, whatever the ZeRO stage (collective: all ranks call it).
+
+    ZeRO-1/2 and the bf16 optimizer keep fp32 master copies behind `_hp_mapping`; ZeRO-3
+    keeps partitions behind `ds_id`; `safe_get_full_fp32_param` assembles both. Without a
+    wrapper (stage 0 in fp32) the module's own parameters are the weights.
+    """
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        state[name] = (full if full is not None else param.detach()).float().cpu().clone()
+    for name, buf in engine.module.named_buffers():
+        state[name] = buf.detach().cpu().clone()
+    return state
+
+
+def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe, dtype):
+    state = consolidated_fp32_state_dict(engine)
+    engine.eval()
+    with torch.no_grad():  # every rank runs the probe: ZeRO-3's forward is collective
+        reference = engine(probe).float().cpu() if probe is not None else None
+    if rank != 0:
+        return
+    check = None
+    if reference is not None:
+        fresh = build_model(model_spec, schema)
+        fresh.load_state_dict(state, strict=True)
+        fresh.eval()
+        with torch.no_grad():
+            check = float((fresh(probe.cpu().float() if dtype.is_floating_point and probe.is_floating_point() else probe.cpu()) - reference).abs().max())
+    write_bundle(
+        directory,
+        state,
+        model_spec,
+        schema,
+        config["preprocessors"],
+        {
+            "final": metrics,
+            "history": history,
+            "fingerprint": config["fingerprint"],
+            "run_name": config["run_name"],
+            "bundle_check_max_abs_diff": check,
+        },
+    )
+
+
+def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
