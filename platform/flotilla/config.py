@@ -72,7 +72,7 @@ Activation = Literal["relu", "gelu", "tanh", "silu"]
 class MLPSpec(_Section):
     """A multi-layer perceptron for classification or regression on numeric features."""
 
-    kind: Literal["mlp"] = "mlp"
+    kind: Literal["mlp"] = Field("mlp", description="Model kind: `mlp`, `gpt` or `custom`.")
     hidden: list[Annotated[int, Field(gt=0)]] = Field(
         [128, 64], description="Hidden layer widths, input to output."
     )
@@ -83,7 +83,7 @@ class MLPSpec(_Section):
 class GPTSpec(_Section):
     """A decoder-only transformer language model over bytes."""
 
-    kind: Literal["gpt"] = "gpt"
+    kind: Literal["gpt"] = Field("gpt", description="Model kind: `mlp`, `gpt` or `custom`.")
     layers: int = Field(4, gt=0, description="Transformer blocks.")
     heads: int = Field(4, gt=0, description="Attention heads per block; must divide `width`.")
     width: int = Field(128, gt=0, description="Embedding width (d_model).")
@@ -106,7 +106,7 @@ class GPTSpec(_Section):
 class CustomModelSpec(_Section):
     """A user model: `factory(model_spec: dict, schema: dict) -> torch.nn.Module`."""
 
-    kind: Literal["custom"] = "custom"
+    kind: Literal["custom"] = Field("custom", description="Model kind: `mlp`, `gpt` or `custom`.")
     factory: str = Field(
         ..., description="Import path `package.module:function`, importable from the working directory."
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import ray.data
@@ -68,8 +69,13 @@ def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> p
     """Keep the `train` or `val` rows of a batch; a row's side depends only on its content and the seed."""
     if df.empty:
         return df
-    hashes = pd.util.hash_pandas_object(df, index=False, hash_key=f"{seed % 10**16:016d}").to_numpy()
-    is_val = (hashes % 1_000_000) < int(val_fraction * 1_000_000)
+    hashes = pd.util.hash_pandas_object(df, index=False).to_numpy(dtype=np.uint64)
+    # Mix the seed in (pandas ignores hash_key for numeric columns): xor, then one round
+    # of a multiply-xorshift finalizer so each seed gives an unrelated partition.
+    with np.errstate(over="ignore"):
+        mixed = (hashes ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0x9E3779B97F4A7C15)
+    mixed ^= mixed >> np.uint64(31)
+    is_val = (mixed % np.uint64(1_000_000)) < np.uint64(int(val_fraction * 1_000_000))
     return df[is_val if keep == "val" else ~is_val].reset_index(drop=True)
 
 

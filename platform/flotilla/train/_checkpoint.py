@@ -40,11 +40,15 @@ def save(engine, directory: str, rank: int, world_size: int, state: dict[str, An
 
 
 def load(engine, directory: str, rank: int) -> dict[str, Any]:
-    """Restore model, optimizer, LR schedule and RNG from a verified checkpoint directory."""
-    load_path, _ = engine.load_checkpoint(directory, tag=DS_TAG)
+    """Restore model, optimizer, step, LR schedule position and RNG from a verified checkpoint directory."""
+    # The LR schedule is not restored but recomputed from the current spec at the restored
+    # step: a resumed run that asks for more epochs then decays over the new total.
+    load_path, _ = engine.load_checkpoint(directory, tag=DS_TAG, load_lr_scheduler_states=False)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint under {directory!r}")
     state = json.loads((Path(directory) / STATE_FILE).read_text())
+    if engine.lr_scheduler is not None and state["global_step"] > 0:
+        engine.lr_scheduler.step(state["global_step"] - 1)
     rng_file = Path(directory) / f"rng_rank{rank}.pt"
     if rng_file.exists():  # absent when the world grew since the checkpoint
         rng = torch.load(rng_file, weights_only=True)

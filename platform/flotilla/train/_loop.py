@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 import uuid
+import warnings
 from typing import Any
 
 import deepspeed
@@ -37,6 +38,9 @@ BUNDLE_DIR = "bundle"
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    # DeepSpeed calls torch.distributed's older collective names once per step; the
+    # deprecation notice would fill the log.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     spec = RunSpec.model_validate(config["spec"])
     t = spec.train
     schema: dict[str, Any] = config["schema"]

@@ -1,0 +1,92 @@
+"""Bad input fails fast with a message that names the input and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from flotilla import run_training
+from flotilla.errors import ClusterError, DataError
+
+from ._helpers import ROOT, digits_spec
+
+pytestmark = pytest.mark.integration
+
+
+def _fails_fast(spec, error, match):
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        run_training(spec)
+    assert time.monotonic() - started < 60, "a bad input must fail fast, not after training"
+
+
+def _csv(tmp_path, df, name="data.csv"):
+    path = tmp_path / name
+    df.to_csv(path, index=False)
+    return path
+
+
+def test_missing_file(ray_cluster, tmp_path):
+    spec = digits_spec(tmp_path, f"data.source={tmp_path / 'nope.parquet'}")
+    _fails_fast(spec, DataError, r"nope.parquet' does not exist; point `--set data.source=...`")
+
+
+def test_unknown_label_column(ray_cluster, tmp_path):
+    path = _csv(tmp_path, pd.DataFrame({"a": [1.0, 2.0], "b": [3.0, 4.0], "y": [0, 1]}))
+    spec = digits_spec(tmp_path, f"data.source={path}", "data.label=label")
+    _fails_fast(spec, DataError, r"data.label='label' is not in .*columns: a, b, y")
+
+
+def test_non_numeric_feature(ray_cluster, tmp_path):
+    path = _csv(tmp_path, pd.DataFrame({"a": [1.0, 2.0], "city": ["x", "y"], "y": [0, 1]}))
+    spec = digits_spec(tmp_path, f"data.source={path}", "data.label=y")
+    _fails_fast(spec, DataError, r"feature column 'city' is string, not numeric")
+
+
+def test_empty_dataset(ray_cluster, tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("a,b,y\n")
+    spec = digits_spec(tmp_path, f"data.source={path}", "data.label=y")
+    _fails_fast(spec, DataError, r"(empty|no rows)")
+
+
+def test_more_workers_than_the_cluster_can_hold(ray_cluster, tmp_path):
+    spec = digits_spec(tmp_path, "train.num_workers=8")
+    _fails_fast(spec, ClusterError, r"train.num_workers=8 x train.cpus_per_worker=1 needs 8 CPUs .* has 3 in all")
+
+
+def test_csv_source_trains_like_parquet(ray_cluster, tmp_path):
+    """A directory of CSV files with a string label goes through the same path as the samples."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 3))
+    labels = np.where(x[:, 0] + x[:, 1] > 0, "yes", "no")
+    df = pd.DataFrame({"f0": x[:, 0], "f1": x[:, 1], "f2": x[:, 2], "answer": labels})
+    (tmp_path / "csv").mkdir()
+    _csv(tmp_path / "csv", df[:200], "part-0.csv")
+    _csv(tmp_path / "csv", df[200:], "part-1.csv")
+    spec = digits_spec(
+        tmp_path, f"data.source={tmp_path / 'csv'}", "data.label=answer", "train.epochs=3", "train.batch_size=16",
+        "train.zero_stage=0",
+    )
+    from flotilla import load_bundle
+
+    outcome = run_training(spec)
+    assert outcome.metrics["val_accuracy"] > 0.85
+    bundle = load_bundle(outcome.bundle_path)
+    assert bundle.classes == ["no", "yes"]
+    assert bundle.predict([{"f0": 2.0, "f1": 2.0, "f2": 0.0}])["predictions"] == ["yes"]
+
+
+def test_entry_script_reports_spec_errors_before_ray_starts():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pipelines" / "train.py"), "--set", "trian.lr=1", "--set", "train.zero_stage=5"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "did you mean `train`?" in proc.stderr and "`train.zero_stage`" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()

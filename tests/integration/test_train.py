@@ -1,0 +1,136 @@
+"""Training end to end on a local Ray: Ray Data → TorchTrainer → DeepSpeed → bundle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from flotilla import load_bundle, run_training
+
+from ._helpers import accuracy, digits_spec, digits_val_rows
+
+pytestmark = pytest.mark.integration
+
+
+def test_default_config_reaches_95_percent_and_bundle_predicts_like_the_model(ray_cluster, tmp_path):
+    spec = digits_spec(tmp_path)  # ZeRO-2, 2 workers, precision auto: as `make demo` runs it
+    outcome = run_training(spec)
+    assert outcome.metrics["val_accuracy"] >= 0.95
+    assert len(outcome.history) == spec.train.epochs
+    assert all("resumed_from_step" not in m for m in outcome.history)  # a new name starts fresh
+    bundle = load_bundle(outcome.bundle_path)
+    for name in ("model.safetensors", "model.json", "preprocessors.json", "metrics.json"):
+        assert (tmp_path / outcome.run_name / "bundle" / name).is_file()
+    rows, labels = digits_val_rows(spec)
+    # Raw rows in, preprocessing from the bundle: the same accuracy the run reported
+    # (the equal per-rank split may leave out one row).
+    assert accuracy(bundle.predict(rows)["predictions"], labels) == pytest.approx(
+        outcome.metrics["val_accuracy"], abs=2 / len(labels) + (0.01 if outcome.metrics["precision"] != "fp32" else 0)
+    )
+    assert (tmp_path / outcome.run_name / "fingerprint.txt").read_text().strip() == outcome.fingerprint
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_trains_and_consolidates_fp32_weights(ray_cluster, tmp_path, stage):
+    spec = digits_spec(
+        tmp_path, f"train.zero_stage={stage}", "train.precision=fp32", "train.epochs=2", "train.batch_size=64"
+    )
+    outcome = run_training(spec)
+    first, last = outcome.history
+    assert last["train_loss"] < first["train_loss"] and last["val_loss"] < first["val_loss"]
+    assert last["zero_stage"] == stage and last["precision"] == "fp32"
+    bundle = load_bundle(outcome.bundle_path)
+    # The consolidated weights reproduce the DeepSpeed engine's outputs.
+    assert bundle.metrics["bundle_check_max_abs_diff"] < 1e-5
+    if stage == 3:
+        rows, labels = digits_val_rows(spec)
+        assert accuracy(bundle.predict(rows)["predictions"], labels) == pytest.approx(
+            last["val_accuracy"], abs=2 / len(labels)
+        )
+
+
+def test_gpt_trains_with_activation_checkpointing(ray_cluster, tmp_path):
+    spec = digits_spec(
+        tmp_path,
+        "name=pycode-gpt",
+        "data.source=pycode",
+        "data.max_bytes=150000",
+        "data.val_fraction=0.1",
+        "model.kind=gpt",
+        "model.layers=2",
+        "model.heads=2",
+        "model.width=64",
+        "model.context=64",
+        "model.activation_checkpointing=true",
+        "train.epochs=2",
+        "train.batch_size=32",
+        "train.precision=fp32",
+    )
+    outcome = run_training(spec)
+    first, last = outcome.history
+    assert last["val_loss"] < first["val_loss"] < 5.545  # below uniform over 256 bytes: ln 256
+    assert last["val_perplexity"] < first["val_perplexity"]
+    assert last["tokens_per_s"] > 0 and 0 < last["mfu"] < 1
+    bundle = load_bundle(outcome.bundle_path)
+    assert bundle.metrics["bundle_check_max_abs_diff"] < 1e-4
+    text = bundle.generate("def ", max_tokens=20, temperature=0.8, top_k=20, seed=0)
+    assert text == bundle.generate("def ", max_tokens=20, temperature=0.8, top_k=20, seed=0)
+    assert len(text) > 0
+
+
+def _train_worker_pids() -> list[int]:
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")
+    ]
+
+
+def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
+    spec = digits_spec(tmp_path, "train.epochs=4", "train.run_name=faulty", "train.max_failures=2", "train.precision=fp32")
+    killed: list[int] = []
+
+    def kill_a_worker_after_the_first_checkpoint():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            if list((tmp_path / "faulty").glob("checkpoint_epoch0001_*/manifest/rank1.json")):
+                pids = _train_worker_pids()
+                if pids:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    killed.append(pids[-1])
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    outcome = run_training(spec)
+    killer.join(timeout=5)
+    assert killed, "the test never killed a worker"
+    epochs = [m["epoch"] for m in outcome.history]
+    assert epochs == [1, 2, 3, 4]
+    resumed = [m for m in outcome.history if "resumed_from_step" in m]
+    assert resumed, "the run restarted from scratch instead of resuming"
+    per_epoch = outcome.history[0]["global_step"]
+    # The step counter continues from the checkpoint instead of starting again at 0.
+    assert resumed[0]["resumed_from_step"] == per_epoch * (resumed[0]["epoch"] - 1) > 0
+    assert [m["global_step"] for m in outcome.history] == [per_epoch * e for e in epochs]
+
+
+def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(ray_cluster, tmp_path):
+    first = run_training(digits_spec(tmp_path, "train.epochs=2", "train.run_name=resumable", "train.precision=fp32"))
+    latest = sorted((tmp_path / "resumable").glob("checkpoint_epoch0002_*"))[-1]
+    shard = next(latest.glob("ds/*zero_pp_rank_1_*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:100])  # rank 1 "died" mid-write
+
+    # Same name, one more epoch: the torn epoch-2 checkpoint is skipped, epoch 1's is used.
+    second = run_training(digits_spec(tmp_path, "train.epochs=3", "train.run_name=resumable", "train.precision=fp32"))
+    assert [m["epoch"] for m in second.history] == [1, 2, 3]
+    resumed = [m for m in second.history if "resumed_from_step" in m]
+    assert resumed[0]["epoch"] == 2
+    assert resumed[0]["resumed_from_step"] == first.history[0]["global_step"]
+    assert second.history[-1]["global_step"] == 3 * first.history[0]["global_step"]

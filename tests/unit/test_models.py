@@ -1,0 +1,74 @@
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flotilla.errors import ModelError
+from flotilla.models import GPT, MLP, build_model, flops_per_token
+
+
+def test_mlp_outputs_per_task():
+    schema = {"task": "classification", "num_features": 5, "num_classes": 3}
+    spec = {"kind": "mlp", "hidden": [8, 4], "dropout": 0.0, "activation": "gelu"}
+    model = build_model(spec, schema)
+    assert isinstance(model, MLP) and model(torch.zeros(2, 5)).shape == (2, 3)
+    reg = build_model(spec, {**schema, "task": "regression"})
+    assert reg(torch.zeros(2, 5)).shape == (2, 1)
+
+
+def test_gpt_is_causal_and_checkpointing_keeps_gradients():
+    spec = {"kind": "gpt", "layers": 2, "heads": 2, "width": 16, "context": 12, "dropout": 0.0,
+            "activation_checkpointing": True}
+    torch.manual_seed(0)
+    model = build_model(spec, {"task": "lm", "vocab_size": 256, "context": 12})
+    assert isinstance(model, GPT)
+    tokens = torch.randint(0, 256, (1, 12))
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 256
+    model.eval()
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert torch.allclose(a[0, :-1], b[0, :-1])  # earlier positions cannot see the last token
+    assert not torch.allclose(a[0, -1], b[0, -1])
+    model.train()
+    plain = GPT(256, 12, 2, 2, 16, activation_checkpointing=False)
+    plain.load_state_dict(model.state_dict())
+    for m in (model, plain):
+        m(tokens).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    n = sum(p.numel() for p in model.parameters())
+    assert flops_per_token(spec, n) > 6 * n
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+        import torch
+        def good(spec, schema):
+            return torch.nn.Linear(schema["num_features"], spec["options"]["out"])
+        def bad(spec, schema):
+            return "not a module"
+        def broken(spec, schema):
+            raise KeyError("width")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_models", None)
+
+
+def test_user_factory(user_module):
+    schema = {"task": "regression", "num_features": 4}
+    model = build_model({"kind": "custom", "factory": "my_models:good", "options": {"out": 1}}, schema)
+    assert model(torch.zeros(3, 4)).shape == (3, 1)
+    with pytest.raises(ModelError, match="returned str, not a torch.nn.Module"):
+        build_model({"kind": "custom", "factory": "my_models:bad", "options": {}}, schema)
+    with pytest.raises(ModelError, match="has no callable 'nope'; it has: bad, broken, good"):
+        build_model({"kind": "custom", "factory": "my_models:nope", "options": {}}, schema)
+    with pytest.raises(ModelError, match="cannot import 'no_such_pkg.mod' \\(No module named 'no_such_pkg'\\)"):
+        build_model({"kind": "custom", "factory": "no_such_pkg.mod:f", "options": {}}, schema)
+    with pytest.raises(ModelError, match="must look like `package.module:function`"):
+        build_model({"kind": "custom", "factory": "my_models.good", "options": {}}, schema)
+    with pytest.raises(ModelError, match="'my_models:broken' failed: KeyError"):
+        build_model({"kind": "custom", "factory": "my_models:broken", "options": {}}, schema)

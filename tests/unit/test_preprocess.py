@@ -1,0 +1,93 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow.fs as pafs
+import pytest
+
+from flotilla.data import ByteWindows, apply_all, fingerprint, from_json, split_rows, to_json
+from flotilla.data._preprocess import tabular_preprocessors
+from flotilla.errors import BundleError
+
+
+def _fitted_steps(df: pd.DataFrame, scaling: str):
+    """Fit the way Ray's StandardScaler/MinMaxScaler do, without a cluster: set their stats."""
+    steps = tabular_preprocessors(["a", "b"], scaling)
+    if scaling == "standard":
+        steps[0].stats_ = {f"mean({c})": df[c].mean() for c in "ab"} | {f"std({c})": df[c].std(ddof=0) for c in "ab"}
+    else:
+        steps[0].stats_ = {f"min({c})": df[c].min() for c in "ab"} | {f"max({c})": df[c].max() for c in "ab"}
+    steps[0]._fitted = True
+    return steps
+
+
+@pytest.mark.parametrize("scaling", ["standard", "minmax"])
+def test_json_round_trip_transforms_identically(scaling):
+    df = pd.DataFrame({"a": [1.0, 2.0, 3.0, 10.0], "b": [0.5, 0.5, 0.7, 0.1]})
+    steps = _fitted_steps(df, scaling)
+    text = json.dumps([to_json(s) for s in steps])  # must be plain JSON
+    restored = [from_json(e) for e in json.loads(text)]
+    rows = pd.DataFrame({"a": [4.0, -1.0], "b": [0.2, 0.9]})
+    expected = np.stack(apply_all(steps, rows.copy())["features"].to_numpy())
+    got = np.stack(apply_all(restored, rows.copy())["features"].to_numpy())
+    np.testing.assert_array_equal(expected, got)
+    assert got.dtype == np.float32
+    if scaling == "standard":
+        np.testing.assert_allclose(got[0, 0], (4.0 - 4.0) / df["a"].std(ddof=0), atol=1e-6)
+
+
+def test_label_encoder_keeps_non_string_keys_through_json():
+    from ray.data.preprocessors import LabelEncoder
+
+    enc = LabelEncoder(label_column="y")
+    enc.stats_ = {"unique_values(y)": {3: 0, 7: 1, 9: 2}}
+    enc._fitted = True
+    restored = from_json(json.loads(json.dumps(to_json(enc))))
+    assert restored.stats_ == enc.stats_
+    out = restored.transform_batch(pd.DataFrame({"y": [9, 3]}))
+    assert out["y"].tolist() == [2, 0]
+
+
+def test_unknown_preprocessor_type_is_refused():
+    with pytest.raises(BundleError, match="unknown preprocessor type 'Evil'"):
+        from_json({"type": "Evil", "fields": {}})
+
+
+def test_byte_windows_cut_fixed_length_windows():
+    step = ByteWindows("text", context=8)
+    out = step.transform_batch(pd.DataFrame({"text": ["abcdefghijklmnopqrstuvwxyz", "0123456789"]}))
+    windows = np.stack(out["tokens"].to_numpy())
+    assert windows.shape[1] == 9
+    joined = "abcdefghijklmnopqrstuvwxyz\n\n0123456789".encode()
+    assert bytes(windows[0].astype(np.uint8)) == joined[:9]
+    assert bytes(windows[1].astype(np.uint8)) == joined[8:17]  # stride = context: targets overlap inputs by one
+    assert ByteWindows.decode(ByteWindows.encode("héllo")) == "héllo"
+
+
+def test_split_is_deterministic_disjoint_and_seeded():
+    df = pd.DataFrame({"x": np.arange(2000, dtype=float), "y": np.arange(2000) % 3})
+    train = split_rows(df, seed=0, val_fraction=0.2, keep="train")
+    val = split_rows(df, seed=0, val_fraction=0.2, keep="val")
+    assert len(train) + len(val) == 2000
+    assert set(train.x).isdisjoint(val.x)
+    assert 0.16 < len(val) / 2000 < 0.24
+    # The same rows in another order and batching land on the same side.
+    shuffled = df.sample(frac=1.0, random_state=1)
+    halves = [split_rows(part, 0, 0.2, "val") for part in (shuffled[:700], shuffled[700:])]
+    assert set(pd.concat(halves).x) == set(val.x)
+    assert set(split_rows(df, 1, 0.2, "val").x) != set(val.x)
+
+
+def test_fingerprint_changes_with_content_or_spec_not_location(tmp_path):
+    fs = pafs.LocalFileSystem()
+    a = tmp_path / "a.csv"
+    a.write_text("x,y\n1,2\n")
+    moved = tmp_path / "sub" / "a.csv"
+    moved.parent.mkdir()
+    moved.write_text("x,y\n1,2\n")
+    spec = {"scaling": "standard"}
+    base = fingerprint([str(a)], fs, spec)
+    assert fingerprint([str(moved)], fs, spec) == base
+    assert fingerprint([str(a)], fs, {"scaling": "minmax"}) != base
+    a.write_text("x,y\n1,3\n")
+    assert fingerprint([str(a)], fs, spec) != base

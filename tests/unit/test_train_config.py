@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from flotilla.config import TrainSpec
+from flotilla.train import deepspeed_config, optimizer_steps, resolve_precision
+from flotilla.train import _precision
+
+
+def test_deepspeed_config_from_spec():
+    t = TrainSpec(batch_size=16, grad_accum=4, zero_stage=3, lr=3e-4, grad_clip=0.5, warmup_fraction=0.1)
+    cfg = deepspeed_config(t, "bf16", total_steps=200, world_size=2, gpu=False)
+    assert cfg["train_batch_size"] == 16 * 4 * 2
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 0.5
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["lr"] == 3e-4
+    sched = cfg["scheduler"]["params"]
+    assert sched["total_num_steps"] == 200 and sched["warmup_num_steps"] == 20
+
+
+def test_offload_only_on_gpu():
+    t = TrainSpec(zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    assert "offload_optimizer" not in deepspeed_config(t, "fp32", 10, 2, gpu=False)["zero_optimization"]
+    zero = deepspeed_config(t, "bf16", 10, 2, gpu=True)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+
+
+def test_fp16_uses_dynamic_loss_scaling():
+    cfg = deepspeed_config(TrainSpec(), "fp16", 10, 1, gpu=True)
+    assert cfg["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+
+
+def test_optimizer_steps_counts_equal_shards():
+    t = TrainSpec(batch_size=32, grad_accum=2)
+    assert optimizer_steps(1440, 2, t) == (23, 12)  # 720 rows per rank → 23 micro-batches
+
+
+def test_precision_auto_follows_the_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_precision, "cpu_has_native_bf16", lambda: False)
+    assert resolve_precision("auto", cpu) == "fp32"
+    with pytest.warns(RuntimeWarning, match="60x slower"):
+        assert resolve_precision("bf16", cpu) == "bf16"
+    monkeypatch.setattr(_precision, "cpu_has_native_bf16", lambda: True)
+    assert resolve_precision("auto", cpu) == "bf16"
+    assert resolve_precision("fp32", cpu) == "fp32"
