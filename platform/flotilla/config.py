@@ -334,3 +334,30 @@ def _divisor_near(n: int, k: int) -> int:
 def _list_configs() -> str:
     configs = sorted(Path("configs").glob("*.yaml")) if Path("configs").is_dir() else []
     return ", ".join(str(c) for c in configs) or "no YAML files"
+
+
+def spec_reference_markdown() -> str:
+    """The run spec reference for the README: every section and field, its default and meaning."""
+    sections = [
+        ("top level", RunSpec, ["name"]),
+        ("data", DataSpec, None),
+        ("model (kind: mlp)", MLPSpec, None),
+        ("model (kind: gpt)", GPTSpec, None),
+        ("model (kind: custom)", CustomModelSpec, None),
+        ("train", TrainSpec, None),
+    ]
+    lines = []
+    for title, model, only in sections:
+        lines += [f"**{title}**", "", "| field | default | meaning |", "|---|---|---|"]
+        for name, field in model.model_fields.items():
+            if only is not None and name not in only:
+                continue
+            default = "required" if field.is_required() else field.get_default(call_default_factory=True)
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"| `{name}` | `{shown}` | {field.description} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m flotilla.config > the README's reference section
+    print(spec_reference_markdown())

@@ -12,7 +12,9 @@ import pytest
 
 from flotilla import load_bundle, run_training
 
-from ._helpers import accuracy, digits_spec, digits_val_rows
+from flotilla.config import load_spec
+
+from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows
 
 pytestmark = pytest.mark.integration
 
@@ -55,22 +57,12 @@ def test_each_zero_stage_trains_and_consolidates_fp32_weights(ray_cluster, tmp_p
 
 
 def test_gpt_trains_with_activation_checkpointing(ray_cluster, tmp_path):
-    spec = digits_spec(
-        tmp_path,
-        "name=pycode-gpt",
-        "data.source=pycode",
-        "data.max_bytes=150000",
-        "data.val_fraction=0.1",
-        "model.kind=gpt",
-        "model.layers=2",
-        "model.heads=2",
-        "model.width=64",
-        "model.context=64",
-        "model.activation_checkpointing=true",
-        "train.epochs=2",
-        "train.batch_size=32",
-        "train.precision=fp32",
-    )
+    overrides = [
+        f"train.storage_path={tmp_path}", "data.max_bytes=150000", "model.layers=2", "model.heads=2",
+        "model.width=64", "model.context=64", "model.activation_checkpointing=true", "train.epochs=2",
+        "train.batch_size=32", "train.grad_accum=2", "train.precision=fp32",
+    ]
+    spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", overrides)
     outcome = run_training(spec)
     first, last = outcome.history
     assert last["val_loss"] < first["val_loss"] < 5.545  # below uniform over 256 bytes: ln 256
@@ -98,7 +90,10 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     def kill_a_worker_after_the_first_checkpoint():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not killed:
-            if list((tmp_path / "faulty").glob("checkpoint_epoch0001_*/manifest/rank1.json")):
+            # Kill once Ray Train has registered the epoch-1 checkpoint (it is in the snapshot the
+            # controller writes), not merely when its files appear.
+            snapshot = tmp_path / "faulty" / "checkpoint_manager_snapshot.json"
+            if snapshot.exists() and "checkpoint_epoch0001" in snapshot.read_text():
                 pids = _train_worker_pids()
                 if pids:
                     os.kill(pids[-1], signal.SIGKILL)

@@ -71,3 +71,11 @@ def test_malformed_override():
     raw = {"train": {"lr": 1}}
     with pytest.raises(ValueError, match="is a value, not a section"):
         apply_override(raw, "train.lr.x=3")
+
+
+def test_readme_spec_reference_matches_the_code():
+    from flotilla.config import spec_reference_markdown
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("<!-- spec-reference:start -->\n", 1)[1].split("<!-- spec-reference:end -->", 1)[0]
+    assert section == spec_reference_markdown(), "regenerate with: python -m flotilla.config"

@@ -115,6 +115,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "precision": precision,
             "zero_stage": t.zero_stage,
             "world_size": world,
+            "backend": dist.get_backend(),
         }
         if schema["task"] == "classification":
             metrics["val_accuracy"] = totals[3] / max(totals[5], 1)

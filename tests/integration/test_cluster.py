@@ -1,0 +1,83 @@
+"""`ray job submit` against a cluster started with `ray start --head` (started and stopped here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ._helpers import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def head_node(tmp_path_factory):
+    """A one-node cluster from `ray start --head --block`, in a temp dir of its own so no other
+    test's `ray.init()` finds it; stopped by signalling exactly the processes it started."""
+    temp_dir = Path("/tmp") / f"flotilla-ray-{os.getpid()}"  # short: unix socket paths are limited
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path_factory.mktemp("head") / "ray_start.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3", f"--port={gcs_port}",
+         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+         "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard_port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+                               capture_output=True, text=True)
+        if ready.returncode == 0:
+            break
+        assert proc.poll() is None, f"ray start exited: {Path(log.name).read_text()[-2000:]}"
+        time.sleep(2)
+    else:
+        pytest.fail("the head node's job server never came up")
+    try:
+        yield address, env
+    finally:
+        group = os.getpgid(proc.pid)
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+        for p in psutil.process_iter(["cmdline"]):  # anything of this cluster still alive
+            if p.info["cmdline"] and any(str(temp_dir) in part for part in p.info["cmdline"]):
+                p.kill()
+        log.close()
+
+
+def test_ray_job_submit_runs_the_checkout(head_node, tmp_path):
+    address, env = head_node
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+         "python", "pipelines/train.py", "--config", "configs/digits.yaml",
+         "--set", "train.epochs=2", "--set", "train.precision=fp32", "--set", "train.run_name=submitted",
+         "--set", f"train.storage_path={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "run submitted: val_accuracy" in submit.stdout
+    metrics = json.loads((tmp_path / "submitted" / "bundle" / "metrics.json").read_text())
+    assert [m["epoch"] for m in metrics["history"]] == [1, 2]

@@ -1,0 +1,58 @@
+"""Batches stream into the workers: a dataset several times the object store still trains."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ._helpers import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OBJECT_STORE_BYTES = 100 * 1024**2
+ROWS, FEATURES, FILES = 300_000, 256, 12  # 300k x 256 float32 = 307 MB, 3x the object store
+
+
+def _write_dataset(directory) -> int:
+    rng = np.random.default_rng(0)
+    per_file = ROWS // FILES
+    for i in range(FILES):
+        x = rng.standard_normal((per_file, FEATURES), dtype=np.float32)
+        y = (x[:, 0] > 0).astype(np.int64)
+        table = pa.table({**{f"f{j}": x[:, j] for j in range(FEATURES)}, "y": y})
+        pq.write_table(table, directory / f"part-{i:02d}.parquet", compression="none")
+    return sum(f.stat().st_size for f in directory.glob("*.parquet"))
+
+
+def test_dataset_three_times_the_object_store_trains(tmp_path):
+    data = tmp_path / "big"
+    data.mkdir()
+    size = _write_dataset(data)
+    assert size > 3 * OBJECT_STORE_BYTES
+    # A Ray of its own (capped object store), in a process of its own.
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / 'platform')!r})
+        from flotilla import load_spec, run_training
+        from flotilla.train import ensure_ray
+        ensure_ray(num_cpus=3, object_store_memory={OBJECT_STORE_BYTES}, include_dashboard=False, address="local")
+        spec = load_spec({str(ROOT / 'configs' / 'digits.yaml')!r}, [
+            "data.source={data}", "data.label=y", "data.scaling=none", "data.val_fraction=0.02",
+            "model.hidden=[16]", "train.epochs=1", "train.batch_size=2048", "train.zero_stage=1",
+            "train.precision=fp32", "train.storage_path={tmp_path / 'runs'}", "train.run_name=big",
+        ])
+        outcome = run_training(spec)
+        print("RESULT", json.dumps(outcome.metrics))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert metrics["val_accuracy"] > 0.9  # the label is the sign of f0: learnable in one epoch
+    assert "OutOfMemory" not in proc.stderr and "ObjectStoreFull" not in proc.stderr
