@@ -32,7 +32,7 @@ from flotilla.data._preprocess import (
     tabular_preprocessors,
     to_json,
 )
-from flotilla.data._sources import BUILTIN_SOURCES, ResolvedSource, cache_dir, resolve_source
+from flotilla.data._sources import BUILTIN_SOURCES, ResolvedSource, cache_dir, filesystem_for, resolve_source
 from flotilla.errors import DataError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "PreparedData",
     "apply_all",
     "cache_dir",
+    "filesystem_for",
     "fingerprint",
     "from_json",
     "prepare_data",

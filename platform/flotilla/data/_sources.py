@@ -44,7 +44,7 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
     if source == "pycode":
         return ResolvedSource("pycode", [str(_write_pycode(max_bytes))], pafs.LocalFileSystem(), "parquet")
 
-    fs, base = _filesystem_for(source)
+    fs, base = filesystem_for(source)
     if _GLOB_CHARS & set(base):
         root = base[: min(base.index(c) for c in _GLOB_CHARS if c in base)].rpartition("/")[0] or "/"
         infos = _list_files(fs, root, source)
@@ -71,13 +71,14 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
     return ResolvedSource(source, paths, fs, _decide_format(source, paths, fmt))
 
 
-def _filesystem_for(source: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in source:
+def filesystem_for(location: str, field: str = "data.source") -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path in it for a local path or a URI such as `s3://b/p`."""
+    if "://" in location:
         try:
-            return pafs.FileSystem.from_uri(source)
+            return pafs.FileSystem.from_uri(location)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
-            raise DataError(f"data.source {source!r}: pyarrow cannot open this URI ({e})") from None
-    return pafs.LocalFileSystem(), str(Path(source).expanduser().resolve())
+            raise DataError(f"{field} {location!r}: pyarrow cannot open this URI ({e})") from None
+    return pafs.LocalFileSystem(), str(Path(location).expanduser().resolve())
 
 
 def _list_files(fs: pafs.FileSystem, root: str, source: str) -> list[pafs.FileInfo]:

@@ -21,7 +21,7 @@ from ray.train.torch import TorchTrainer
 
 import flotilla
 from flotilla.config import RunSpec, spec_to_yaml
-from flotilla.data import prepare_data
+from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError
 from flotilla.train._checkpoint import problems as checkpoint_problems
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
@@ -104,7 +104,9 @@ def check_cluster_fits(spec: RunSpec) -> None:
 def run_training(spec: RunSpec) -> TrainingOutcome:
     t = spec.train
     run_name = t.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    storage = t.storage_path if "://" in t.storage_path else str(Path(t.storage_path).expanduser().resolve())
+    fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
+    # What Ray Train gets: the URI as written, or the local path made absolute.
+    storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
     ensure_ray(spec)
     check_cluster_fits(spec)
 
@@ -114,7 +116,7 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
         f"rows, fingerprint {prepared.fingerprint[:12]}",
         flush=True,
     )
-    _write_run_record(storage, run_name, spec, prepared.fingerprint)
+    _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -145,19 +147,21 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
     if result.checkpoint is None:
         raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
 
-    fs, run_dir = _filesystem(storage)
-    run_dir = f"{run_dir}/{run_name}"
-    bundle_path = f"{run_dir}/{BUNDLE_DIR}"
-    source_fs, source_path = result.checkpoint.filesystem, f"{result.checkpoint.path}/{BUNDLE_DIR}"
-    fs.create_dir(bundle_path, recursive=True)
-    pafs.copy_files(source_path, bundle_path, source_filesystem=source_fs, destination_filesystem=fs)
-    with fs.open_input_stream(f"{bundle_path}/metrics.json") as f:
+    # The bundle travelled inside the final checkpoint; give it a stable place in the run.
+    bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
+    fs.create_dir(bundle_fs_path, recursive=True)
+    pafs.copy_files(
+        f"{result.checkpoint.path}/{BUNDLE_DIR}",
+        bundle_fs_path,
+        source_filesystem=result.checkpoint.filesystem,
+        destination_filesystem=fs,
+    )
+    with fs.open_input_stream(f"{bundle_fs_path}/metrics.json") as f:
         bundle_metrics = json.loads(f.read())
-    shown = bundle_path if "://" in t.storage_path else str(Path(bundle_path))
     return TrainingOutcome(
         run_name=run_name,
-        run_dir=run_dir,
-        bundle_path=shown,
+        run_dir=f"{storage}/{run_name}",
+        bundle_path=f"{storage}/{run_name}/{BUNDLE_DIR}",
         metrics=bundle_metrics["final"],
         history=bundle_metrics["history"],
         fingerprint=prepared.fingerprint,
@@ -183,14 +187,7 @@ def _local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _filesystem(storage: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in storage:
-        return pafs.FileSystem.from_uri(storage)
-    return pafs.LocalFileSystem(), storage
-
-
-def _write_run_record(storage: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
-    fs, root = _filesystem(storage)
+def _write_run_record(fs: pafs.FileSystem, root: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
     fs.create_dir(f"{root}/{run_name}", recursive=True)
     with fs.open_output_stream(f"{root}/{run_name}/spec.yaml") as f:
         f.write(spec_to_yaml(spec).encode())
