@@ -34,7 +34,7 @@ from flotilla.models import build_model, flops_per_token  # noqa: E402
 from flotilla.train import measured_peak_flops  # noqa: E402
 
 SPEC = [
-    "name=bench-gpt", "data.source=pycode", "data.max_bytes=150000", "data.val_fraction=0.05",
+    "name=bench-gpt", "data.source=pycode", "data.max_bytes=150000", "data.val_fraction=0.2",
     "model.kind=gpt", "model.layers=4", "model.heads=4", "model.width=256", "model.context=128",
     "train.num_workers=2", "train.cpus_per_worker=1", "train.epochs=3", "train.batch_size=8",
     "train.zero_stage=2", "train.precision=fp32", "train.warmup_fraction=0.0",

@@ -57,6 +57,12 @@ class DataSpec(_Section):
         0, description="Seed of the train/validation split; the split is a hash of each row's content "
         "and this seed, so it does not depend on file order or block layout."
     )
+    cache: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Keep the preprocessed splits in Ray's object store instead of re-reading and "
+        "re-transforming the source every epoch. `auto` caches when the estimate is under a quarter of "
+        "the object store; larger data always streams.",
+    )
     max_bytes: Optional[int] = Field(
         2_000_000,
         gt=0,

@@ -44,3 +44,15 @@ def test_precision_auto_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(_precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_precision("auto", cpu) == "bf16"
     assert resolve_precision("fp32", cpu) == "fp32"
+
+
+def test_short_runs_and_zero_warmup_still_build_a_schedule():
+    import deepspeed.runtime.lr_schedules as schedules
+
+    for fraction, total in ((0.0, 100), (0.05, 3)):
+        cfg = deepspeed_config(TrainSpec(warmup_fraction=fraction), "fp32", total, 1, gpu=False)
+        params = cfg["scheduler"]["params"]
+        assert params["warmup_num_steps"] >= 1
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        schedules.WarmupCosineLR(opt, total_num_steps=params["total_num_steps"],
+                                 warmup_num_steps=params["warmup_num_steps"])  # DeepSpeed accepts it

@@ -19,7 +19,8 @@ def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int
 
 
 def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool) -> dict[str, Any]:
-    warmup = int(t.warmup_fraction * total_steps)
+    # DeepSpeed's WarmupCosineLR refuses 0 warmup steps; one step of warmup is the least it takes.
+    warmup = max(1, int(t.warmup_fraction * total_steps))
     zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.zero_stage in (1, 2, 3) and t.offload_optimizer == "cpu" and gpu:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
