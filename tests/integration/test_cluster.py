@@ -45,8 +45,12 @@ def head_node(tmp_path_factory):
     address = f"http://127.0.0.1:{dashboard_port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        ready = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
-                               capture_output=True, text=True)
+        # Ready means a job actually runs: the job server answers before the node's agent,
+        # which runs the jobs, has registered.
+        ready = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--", "python", "-c", "print('ready')"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
         if ready.returncode == 0:
             break
         assert proc.poll() is None, f"ray start exited: {Path(log.name).read_text()[-2000:]}"

@@ -133,7 +133,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="flotilla-ckpt-") as directory:
             if final:
                 _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
-                              metrics, history, val["probe"], dtype)
+                              metrics, history, val["probe"])
             state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
             _checkpoint.save(engine, directory, rank, world, state)
             ray.train.report(
@@ -218,7 +218,7 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe, dtype):
+def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe):
     state = consolidated_fp32_state_dict(engine)
     engine.eval()
     with torch.no_grad():  # every rank runs the probe: ZeRO-3's forward is collective
@@ -231,7 +231,8 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
         fresh.load_state_dict(state, strict=True)
         fresh.eval()
         with torch.no_grad():
-            check = float((fresh(probe.cpu().float() if dtype.is_floating_point and probe.is_floating_point() else probe.cpu()) - reference).abs().max())
+            inputs = probe.cpu().float() if probe.is_floating_point() else probe.cpu()
+            check = float((fresh(inputs) - reference).abs().max())
     write_bundle(
         directory,
         state,
