@@ -90,3 +90,10 @@ def test_entry_script_reports_spec_errors_before_ray_starts():
     assert proc.returncode == 2
     assert "did you mean `train`?" in proc.stderr and "`train.zero_stage`" in proc.stderr
     assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
+
+
+def test_broken_model_factory_fails_before_training(ray_cluster, tmp_path):
+    from flotilla.errors import ModelError
+
+    spec = digits_spec(tmp_path, "model={kind: custom, factory: 'no_such_module:build'}")
+    _fails_fast(spec, ModelError, r"model.factory 'no_such_module:build': cannot import 'no_such_module'")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import ray
+import torch
 import ray.train
 from ray.train.torch import TorchTrainer
 
@@ -23,6 +24,7 @@ import flotilla
 from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError
+from flotilla.models import build_model
 from flotilla.train._checkpoint import problems as checkpoint_problems
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
 from flotilla.train._loop import BUNDLE_DIR, consolidated_fp32_state_dict, format_epoch, train_loop_per_worker
@@ -116,6 +118,10 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
         f"rows, fingerprint {prepared.fingerprint[:12]}",
         flush=True,
     )
+    # Build the model once here, on the meta device (no memory, no compute): a broken factory
+    # fails now with its own message instead of on every worker after each restart.
+    with torch.device("meta"):
+        build_model(spec.model.model_dump(mode="json"), prepared.schema)
     _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
     trainer = TorchTrainer(
         train_loop_per_worker,
