@@ -33,13 +33,19 @@ def head_node(tmp_path_factory):
     test's `ray.init()` finds it; stopped by signalling exactly the processes it started."""
     temp_dir = Path("/tmp") / f"flotilla-ray-{os.getpid()}"  # short: unix socket paths are limited
     gcs_port, dashboard_port = _free_port(), _free_port()
+    # Every fixed port of its own: the session's local Ray already holds the defaults
+    # (the dashboard agent's 52365 among them), and a second agent on it never registers.
+    ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+        "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
+    )]
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path_factory.mktemp("head") / "ray_start.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3", f"--port={gcs_port}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-         "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+         "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats", *ports],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard_port}"
