@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,24 +50,24 @@ def head_node(tmp_path_factory):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard_port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        # Ready means a job actually runs: the job server answers before the node's agent,
-        # which runs the jobs, has registered.
-        ready = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", address, "--", "python", "-c", "print('ready')"],
-            env=env, capture_output=True, text=True, timeout=120,
-        )
-        if ready.returncode == 0:
-            break
-        assert proc.poll() is None, f"ray start exited: {Path(log.name).read_text()[-2000:]}"
-        time.sleep(2)
-    else:
-        pytest.fail("the head node's job server never came up")
-    try:
+    try:  # whatever happens from here on, the cluster is stopped
+        deadline = time.monotonic() + 180
+        while True:
+            # Ready means a job actually runs: the job server answers before the node's agent,
+            # which runs the jobs, has registered.
+            ready = subprocess.run(
+                [str(BIN / "ray"), "job", "submit", "--address", address, "--", "python", "-c", "print('ready')"],
+                env=env, capture_output=True, text=True, timeout=120,
+            )
+            if ready.returncode == 0:
+                break
+            assert proc.poll() is None, f"ray start exited: {Path(log.name).read_text()[-2000:]}"
+            if time.monotonic() > deadline:
+                pytest.fail(f"the head node never ran a job: {ready.stderr[-2000:]}")
+            time.sleep(2)
         yield address, env
     finally:
-        group = os.getpgid(proc.pid)
+        group = proc.pid  # start_new_session: the group id is the leader's pid
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes
         try:
             proc.wait(timeout=60)
@@ -76,6 +77,7 @@ def head_node(tmp_path_factory):
             if p.info["cmdline"] and any(str(temp_dir) in part for part in p.info["cmdline"]):
                 p.kill()
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_ray_job_submit_runs_the_checkout(head_node, tmp_path):
