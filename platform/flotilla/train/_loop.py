@@ -57,7 +57,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model_spec = spec.model.model_dump(mode="json")
     model = build_model(model_spec, schema)
     num_params = sum(p.numel() for p in model.parameters())
-    micro_batches, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
+    _, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
