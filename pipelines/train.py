@@ -4,7 +4,8 @@
     ray job submit --working-dir . -- python pipelines/train.py --config configs/digits.yaml
 
 With no Ray cluster running it starts a local one; under `ray job submit` (or with
-RAY_ADDRESS set) it uses that cluster. Exit codes: 0 done, 2 bad spec or input, 1 failed.
+RAY_ADDRESS set) it uses that cluster. The run is recorded in MLflow (`track.uri`, default
+./mlruns) and its bundle registered. Exit codes: 0 done, 2 bad spec or input, 1 failed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     m = outcome.metrics
     quality = next((f"{k} {m[k]:.4f}" for k in ("val_accuracy", "val_perplexity", "val_rmse") if k in m), "")
     print(f"run {outcome.run_name}: {quality} after {m['epoch']} epochs; bundle at {outcome.bundle_path}")
+    if outcome.mlflow_run_id:
+        print(f"MLflow run {outcome.mlflow_run_id} at {outcome.tracking_uri}")
+    if outcome.registration is not None:
+        print(outcome.registration.describe())
     return 0
 
 

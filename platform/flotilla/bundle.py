@@ -37,6 +37,7 @@ WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
     "metrics.json",
 )
 BUNDLE_FILES = (WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON)
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "seed": -1}
 
 
 def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: dict,
@@ -125,6 +126,34 @@ class InferenceBundle:
 
     def generate(self, prompt: str, **kwargs) -> str:
         return "".join(self.generate_stream(prompt, **kwargs))
+
+    def predict_frame(self, frame: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """A DataFrame in, a DataFrame out (the MLflow pyfunc contract).
+
+        Classification: columns `prediction` and `probabilities`; regression: `prediction`;
+        language models: a `prompt` column in, `text` out, with `params` max_tokens,
+        temperature, top_k (0: off) and seed (-1: random).
+        """
+        if self.task == "lm":
+            if "prompt" not in frame.columns:
+                raise BundleError(f"a language-model bundle needs a `prompt` column; got {', '.join(map(str, frame.columns))}")
+            p = {**GENERATE_DEFAULTS, **(params or {})}
+            texts = [
+                self.generate(
+                    str(prompt),
+                    max_tokens=int(p["max_tokens"]),
+                    temperature=float(p["temperature"]),
+                    top_k=int(p["top_k"]) or None,
+                    seed=None if int(p["seed"]) < 0 else int(p["seed"]),
+                )
+                for prompt in frame["prompt"]
+            ]
+            return pd.DataFrame({"text": texts})
+        out = self.predict(frame)
+        result = pd.DataFrame({"prediction": out["predictions"]})
+        if "probabilities" in out:
+            result["probabilities"] = out["probabilities"]
+        return result
 
 
 def load_bundle(path: str | Path) -> InferenceBundle:

@@ -9,6 +9,7 @@ names the field (as the `--set` path), the bad value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -188,6 +189,69 @@ class TrainSpec(_Section):
         return self
 
 
+# ---------------------------------------------------------------------------- track
+# A gate rule: `<metric> <op> <number>`, e.g. `val_accuracy >= 0.95`.
+GATE_RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+# Final metrics a gate may test, by task; `primary` is what "no worse than the champion" compares.
+GATE_METRICS = {
+    "classification": ("val_accuracy", "val_loss", "train_loss"),
+    "regression": ("val_rmse", "val_loss", "train_loss"),
+    "lm": ("val_perplexity", "val_loss", "train_loss", "tokens_per_s", "mfu"),
+}
+PRIMARY_METRIC = {"classification": ("val_accuracy", "max"), "regression": ("val_rmse", "min"), "lm": ("val_perplexity", "min")}
+
+
+class GateSpec(_Section):
+    """When a newly registered version is also promoted to `champion`."""
+
+    require: list[str] = Field(
+        default_factory=list,
+        description="Rules on the run's final metrics, all of which must hold, e.g. `val_accuracy >= 0.95`.",
+    )
+    beat_champion: bool = Field(
+        False,
+        description="Also require the new version to be no worse than the current `champion` on this run's "
+        "validation rows (both evaluated there from their bundles, on the task's main metric).",
+    )
+    tolerance: float = Field(
+        0.0, ge=0, description="How much worse than the champion still counts as no worse (absolute, same units)."
+    )
+
+    @model_validator(mode="after")
+    def _rules_parse(self) -> "GateSpec":
+        known = sorted({m for names in GATE_METRICS.values() for m in names})
+        bad = []
+        for rule in self.require:
+            match = GATE_RULE.match(rule)
+            if not match:
+                bad.append(f"{rule!r} is not `<metric> <op> <number>` (op one of >=, <=, >, <)")
+            elif match.group(1) not in known:
+                bad.append(f"{rule!r}: unknown metric {match.group(1)!r}; gates can test {', '.join(known)}")
+        if bad:
+            raise ValueError("`--track.gate.require`: " + "; ".join(bad))
+        return self
+
+
+class TrackSpec(_Section):
+    """MLflow: where runs are recorded and which registered model a run's bundle becomes."""
+
+    enabled: bool = Field(True, description="Record the run in MLflow and register its model.")
+    uri: Optional[str] = Field(
+        None,
+        description="MLflow tracking URI: `http(s)://host:port` for a tracking server, or a database URI. "
+        "Null uses $MLFLOW_TRACKING_URI, else the embedded store `sqlite:///mlruns/mlflow.db` "
+        "(artifacts in `mlruns/artifacts`) under the working directory.",
+    )
+    experiment: Optional[str] = Field(None, description="MLflow experiment; null uses the spec's `name`.")
+    model_name: Optional[str] = Field(
+        None, description="Registered model that each successful run adds a version to; null uses the spec's `name`."
+    )
+    register_model: bool = Field(
+        True, description="Register the bundle as a new model version with the alias `candidate`."
+    )
+    gate: GateSpec = Field(default_factory=GateSpec, description="The quality gate for promotion to `champion`.")
+
+
 # ---------------------------------------------------------------------------- spec
 class RunSpec(_Section):
     """One reproducible run."""
@@ -198,6 +262,7 @@ class RunSpec(_Section):
     data: DataSpec = Field(default_factory=DataSpec, description="Input data and preprocessing.")
     model: ModelSpec = Field(default_factory=MLPSpec, description="The model to train.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Training and checkpoints.")
+    track: TrackSpec = Field(default_factory=TrackSpec, description="Experiment tracking and the model registry.")
 
     @model_validator(mode="before")
     @classmethod
@@ -212,6 +277,15 @@ class RunSpec(_Section):
             raise ValueError("`--model.kind=gpt` needs a text source such as `--data.source=pycode`")
         if isinstance(self.model, MLPSpec) and self.data.source == "pycode":
             raise ValueError("`--data.source=pycode` is text; use `--model.kind=gpt`")
+        if isinstance(self.model, GPTSpec):
+            lm = GATE_METRICS["lm"]
+            for rule in self.track.gate.require:
+                match = GATE_RULE.match(rule)
+                if match and match.group(1) not in lm:
+                    raise ValueError(
+                        f"`--track.gate.require`: {rule!r} tests {match.group(1)!r}, which a gpt run does not report; "
+                        f"use one of {', '.join(lm)}"
+                    )
         return self
 
 
@@ -351,6 +425,8 @@ def spec_reference_markdown() -> str:
         ("model (kind: gpt)", GPTSpec, None),
         ("model (kind: custom)", CustomModelSpec, None),
         ("train", TrainSpec, None),
+        ("track", TrackSpec, None),
+        ("track.gate", GateSpec, None),
     ]
     lines = []
     for title, model, only in sections:
@@ -359,6 +435,9 @@ def spec_reference_markdown() -> str:
             if only is not None and name not in only:
                 continue
             default = "required" if field.is_required() else field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                lines.append(f"| `{name}` | (section below) | {field.description} |")
+                continue
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"| `{name}` | `{shown}` | {field.description} |")
         lines.append("")

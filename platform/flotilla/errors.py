@@ -58,3 +58,7 @@ class BundleError(FlotillaError):
 
 class TrainingError(FlotillaError):
     """Training failed on a worker for a reason that is not one of the above."""
+
+
+class TrackingError(FlotillaError):
+    """The MLflow tracking store or model registry cannot be used as configured."""

@@ -2,7 +2,19 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.config import CustomModelSpec, DataSpec, GPTSpec, MLPSpec, RunSpec, TrainSpec, apply_override, load_spec, validate_spec
+from flotilla.config import (
+    CustomModelSpec,
+    DataSpec,
+    GateSpec,
+    GPTSpec,
+    MLPSpec,
+    RunSpec,
+    TrackSpec,
+    TrainSpec,
+    apply_override,
+    load_spec,
+    validate_spec,
+)
 from flotilla.errors import SpecError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -21,7 +33,7 @@ def test_configs_exist():
 
 
 def test_defaults_describe_every_field():
-    for model in (RunSpec, DataSpec, MLPSpec, GPTSpec, CustomModelSpec, TrainSpec):
+    for model in (RunSpec, DataSpec, MLPSpec, GPTSpec, CustomModelSpec, TrainSpec, TrackSpec, GateSpec):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
 

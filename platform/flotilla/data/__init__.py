@@ -64,6 +64,9 @@ class PreparedData:
     train_rows: int
     val_rows: int
     source: ResolvedSource = field(repr=False)
+    # The validation rows as read (selected columns, no preprocessing): what a served model
+    # would be sent, for comparing bundles on the same rows. Lazy; read again when iterated.
+    val_raw: ray.data.Dataset | None = field(default=None, repr=False)
 
 
 def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> pd.DataFrame:
@@ -110,6 +113,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         )
 
     train, val = side("train"), side("val")
+    val_raw = val
     if text:
         steps = [ByteWindows(d.text_column, spec.model.context)]
         label_step = None
@@ -169,6 +173,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         train_rows=train_rows,
         val_rows=val_rows,
         source=source,
+        val_raw=val_raw,
     )
 
 

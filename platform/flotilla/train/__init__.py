@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError
 from flotilla.models import build_model
+from flotilla.track import open_tracker
 from flotilla.train._checkpoint import problems as checkpoint_problems
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
 from flotilla.train._loop import BUNDLE_DIR, consolidated_fp32_state_dict, format_epoch, train_loop_per_worker
@@ -57,6 +60,9 @@ class TrainingOutcome:
     metrics: dict[str, Any]  # the last epoch's
     history: list[dict[str, Any]] = field(default_factory=list)
     fingerprint: str = ""
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    registration: Any = None  # flotilla.track.Registration when the bundle was registered
 
 
 # Ray Data's read and transform tasks need a CPU slot of their own while the workers hold
@@ -104,11 +110,13 @@ def check_cluster_fits(spec: RunSpec) -> None:
 
 
 def run_training(spec: RunSpec) -> TrainingOutcome:
+    started = time.monotonic()
     t = spec.train
     run_name = t.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
     # What Ray Train gets: the URI as written, or the local path made absolute.
     storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
+    tracker = open_tracker(spec, run_name)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
     check_cluster_fits(spec)
 
@@ -123,6 +131,8 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
     with torch.device("meta"):
         build_model(spec.model.model_dump(mode="json"), prepared.schema)
     _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
+    if tracker is not None:
+        tracker.start(prepared, f"{storage}/{run_name}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -143,15 +153,21 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+            callbacks=[tracker.callback()] if tracker is not None else None,
         ),
         datasets={"train": prepared.train, "val": prepared.val},
     )
     try:
         result = trainer.fit()
-    except ray.train.TrainingFailedError as e:
-        raise _explain(e) from e
-    if result.checkpoint is None:
-        raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
+        if result.checkpoint is None:
+            raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
+    except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
+        error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
+        if tracker is not None:
+            tracker.fail(error)
+        if error is e:
+            raise
+        raise error from e
 
     # The bundle travelled inside the final checkpoint; give it a stable place in the run.
     bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
@@ -164,7 +180,7 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
     )
     with fs.open_input_stream(f"{bundle_fs_path}/metrics.json") as f:
         bundle_metrics = json.loads(f.read())
-    return TrainingOutcome(
+    outcome = TrainingOutcome(
         run_name=run_name,
         run_dir=f"{storage}/{run_name}",
         bundle_path=f"{storage}/{run_name}/{BUNDLE_DIR}",
@@ -172,6 +188,22 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
         history=bundle_metrics["history"],
         fingerprint=prepared.fingerprint,
     )
+    if tracker is not None:
+        outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
+        with local_copy(fs, bundle_fs_path) as local_bundle:
+            outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
+    return outcome
+
+
+@contextlib.contextmanager
+def local_copy(fs: pafs.FileSystem, path: str):
+    """A local directory with the contents of `path`: itself when local, else a temporary copy."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield Path(tmp)
 
 
 def _cluster_address() -> str | None:

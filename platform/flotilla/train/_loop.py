@@ -86,7 +86,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     for epoch in range(start_epoch, t.epochs):
         engine.train()
-        loss_sum, samples, started = 0.0, 0, time.perf_counter()
+        loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
         for batch in train_shard.iter_torch_batches(
             batch_size=t.batch_size,
             dtypes=batch_dtypes,
@@ -95,15 +95,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             local_shuffle_seed=t.seed + 1000 * epoch + rank,
         ):
             inputs, targets = _split(batch, schema, dtype)
-            loss = _loss(engine(inputs), targets, schema, "mean")
+            out = engine(inputs)
+            loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item() * len(targets)
             samples += len(targets)
+            if schema["task"] == "classification":
+                correct += int((out.detach().argmax(dim=-1) == targets).sum())
         train_time = time.perf_counter() - started
 
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
-        totals = _all_reduce([loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"]], device)
+        totals = _all_reduce(
+            [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct], device
+        )
         slowest = _all_reduce([train_time], device, op=dist.ReduceOp.MAX)[0]
         metrics: dict[str, Any] = {
             "epoch": epoch + 1,
@@ -119,10 +124,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         }
         if schema["task"] == "classification":
             metrics["val_accuracy"] = totals[3] / max(totals[5], 1)
+            metrics["train_accuracy"] = totals[6] / max(totals[1], 1)
         elif schema["task"] == "regression":
             metrics["val_rmse"] = math.sqrt(metrics["val_loss"])
+            metrics["train_rmse"] = math.sqrt(metrics["train_loss"])
         else:
             metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
+            metrics["train_perplexity"] = math.exp(min(metrics["train_loss"], 50.0))
             metrics["tokens_per_s"] = metrics["samples_per_s"] * schema["context"]
             metrics["mfu"] = flops_per_token(model_spec, num_params) * metrics["tokens_per_s"] / (peak * world)
         if resumed_from is not None:

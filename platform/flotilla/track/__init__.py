@@ -1,0 +1,43 @@
+"""Tracking with MLflow: one pipeline run = one MLflow run; bundles become registered models.
+
+    tracker = open_tracker(spec, run_name)      # checks the tracking URI before anything runs
+    tracker.start(prepared, run_dir)            # params, tags, spec, input dataset
+    TorchTrainer(..., run_config=RunConfig(callbacks=[tracker.callback()]))   # per-epoch metrics
+    registration = tracker.finish(outcome, prepared, wall_time_s)   # curves, model, registry, gate
+
+    set_alias(client, "digits", "champion", "3"); rollback_champion(client, "digits")
+"""
+
+from flotilla.track._gate import BundleEvaluator, GateDecision, check_rules, evaluate_bundles
+from flotilla.track._registry import (
+    CANDIDATE,
+    CHAMPION,
+    AliasChange,
+    alias_version,
+    champion_history,
+    rollback_champion,
+    set_alias,
+)
+from flotilla.track._run import EpochMetricsLogger, Registration, Tracker, flatten, open_tracker
+from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
+
+__all__ = [
+    "CANDIDATE",
+    "CHAMPION",
+    "AliasChange",
+    "BundleEvaluator",
+    "EpochMetricsLogger",
+    "GateDecision",
+    "Registration",
+    "Tracker",
+    "alias_version",
+    "champion_history",
+    "check_rules",
+    "check_tracking_uri",
+    "evaluate_bundles",
+    "flatten",
+    "open_tracker",
+    "resolve_tracking_uri",
+    "rollback_champion",
+    "set_alias",
+]

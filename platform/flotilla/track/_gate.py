@@ -1,0 +1,111 @@
+"""The quality gate: rules on a run's final metrics, and "no worse than the current champion"
+measured by evaluating both bundles on the same validation rows."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from flotilla.config import GATE_RULE, PRIMARY_METRIC, GateSpec
+from flotilla.data import TOKENS, ByteWindows
+
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+@dataclass
+class GateDecision:
+    passed: bool
+    checks: list[str] = field(default_factory=list)  # one line per rule, with its numbers
+    numbers: dict[str, Any] = field(default_factory=dict)  # recorded as version tags
+
+    def summary(self) -> str:
+        return ("passed: " if self.passed else "failed: ") + "; ".join(self.checks or ["no rules"])
+
+
+def check_rules(gate: GateSpec, metrics: dict[str, Any]) -> GateDecision:
+    decision = GateDecision(passed=True)
+    for rule in gate.require:
+        name, op, bound = GATE_RULE.match(rule).groups()
+        if name not in metrics:
+            decision.passed = False
+            decision.checks.append(f"{rule}: the run reported no {name} (it has {', '.join(sorted(metrics))})")
+            continue
+        value = float(metrics[name])
+        ok = _OPS[op](value, float(bound))
+        decision.passed &= ok
+        decision.numbers[f"gate.{name}"] = value
+        decision.checks.append(f"{name} {value:.4f} {op} {bound} {'ok' if ok else 'FAILED'}")
+    return decision
+
+
+def compare_with_champion(decision: GateDecision, gate: GateSpec, task: str, candidate: float,
+                          champion: float | None, champion_version: str | None, rows: int) -> None:
+    """Add the champion comparison to `decision` (no champion yet: the candidate wins)."""
+    metric, mode = PRIMARY_METRIC[task]
+    decision.numbers[f"gate.candidate_{metric}"] = candidate
+    if champion is None:
+        decision.checks.append(f"no champion yet; {metric} {candidate:.4f} on {rows} validation rows")
+        return
+    ok = candidate >= champion - gate.tolerance if mode == "max" else candidate <= champion + gate.tolerance
+    decision.passed &= ok
+    decision.numbers[f"gate.champion_{metric}"] = champion
+    decision.numbers["gate.champion_version"] = champion_version
+    better = "higher" if mode == "max" else "lower"
+    decision.checks.append(
+        f"{metric} {candidate:.4f} vs champion v{champion_version} {champion:.4f} on the same {rows} validation rows "
+        f"({better} is better, tolerance {gate.tolerance:g}) {'ok' if ok else 'FAILED'}"
+    )
+
+
+class BundleEvaluator:
+    """Accumulates a bundle's main metric over raw validation batches (exactly what serving sees:
+    raw rows through the bundle's own preprocessors)."""
+
+    def __init__(self, bundle, label_column: str | None, text_column: str | None):
+        self.bundle, self.label_column, self.text_column = bundle, label_column, text_column
+        self.total, self.count, self.rows = 0.0, 0, 0
+
+    @torch.no_grad()
+    def add(self, batch: pd.DataFrame) -> None:
+        b = self.bundle
+        self.rows += len(batch)
+        if b.task == "lm":
+            windows = ByteWindows(self.text_column, b.schema["context"])._transform_pandas(batch)[TOKENS]
+            if len(windows) == 0:
+                return
+            tokens = torch.as_tensor(np.stack(windows.to_numpy()))
+            logits = b.model(tokens[:, :-1]).float()
+            self.total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"))
+            self.count += tokens[:, 1:].numel()
+            return
+        out = b.predict(batch.drop(columns=[self.label_column]))["predictions"]
+        labels = batch[self.label_column].to_numpy()
+        if b.task == "classification":
+            self.total += float(np.sum(np.asarray(out, dtype=object) == labels.astype(object)))
+        else:
+            self.total += float(np.sum((np.asarray(out, dtype=np.float64) - labels.astype(np.float64)) ** 2))
+        self.count += len(batch)
+
+    def value(self) -> float:
+        if self.count == 0:
+            return float("nan")
+        mean = self.total / self.count
+        task = self.bundle.task
+        return mean if task == "classification" else math.sqrt(mean) if task == "regression" else math.exp(min(mean, 50.0))
+
+
+def evaluate_bundles(bundles: list, batches: Iterable[pd.DataFrame], label_column: str | None,
+                     text_column: str | None) -> tuple[list[float], int]:
+    """Each bundle's main metric over the same batches, in one pass; and the row count."""
+    evaluators = [BundleEvaluator(b, label_column, text_column) for b in bundles]
+    for batch in batches:
+        for e in evaluators:
+            e.add(batch)
+    return [e.value() for e in evaluators], evaluators[0].rows if evaluators else 0

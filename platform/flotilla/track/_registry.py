@@ -1,0 +1,107 @@
+"""The model registry: versions, the `candidate` and `champion` aliases, promotion and rollback.
+
+Each promotion to `champion` is appended to the registered model's tag `flotilla.champion_history`
+(comma-separated versions), so a rollback knows which version was champion before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from flotilla.errors import TrackingError
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+HISTORY_TAG = "flotilla.champion_history"
+
+
+@dataclass
+class AliasChange:
+    model: str
+    alias: str
+    before: str | None  # version, or None when the alias was unset
+    after: str
+
+    def describe(self, verb: str = "promoted") -> str:
+        was = f"v{self.before}" if self.before else "unset"
+        if self.before == self.after:
+            return f"{self.model}@{self.alias} stays v{self.after} (no change)"
+        return f"{self.model}@{self.alias}: {was} -> v{self.after} ({verb})"
+
+
+def ensure_registered_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.create_registered_model(name, description="Registered by Flotilla.")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def alias_version(client: MlflowClient, name: str, alias: str) -> str | None:
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+
+
+def champion_history(client: MlflowClient, name: str) -> list[str]:
+    tag = client.get_registered_model(name).tags.get(HISTORY_TAG, "")
+    return [v for v in tag.split(",") if v]
+
+
+def set_alias(client: MlflowClient, name: str, alias: str, version: str) -> AliasChange:
+    """Point `alias` at `version`; promotions to champion are remembered for rollback."""
+    _check_version(client, name, version)
+    before = alias_version(client, name, alias)
+    client.set_registered_model_alias(name, alias, str(version))
+    if alias == CHAMPION and before != str(version):
+        history = champion_history(client, name)
+        if before and (not history or history[-1] != before):
+            history.append(before)  # a champion set outside Flotilla
+        history.append(str(version))
+        client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-100:]))
+    return AliasChange(name, alias, before, str(version))
+
+
+def rollback_champion(client: MlflowClient, name: str) -> AliasChange:
+    """Point `champion` back at the version that held it before the current one."""
+    _check_model(client, name)
+    current = alias_version(client, name, CHAMPION)
+    history = champion_history(client, name)
+    while history and history[-1] == current:
+        history.pop()
+    if current is None or not history:
+        raise TrackingError(
+            f"{name}: no earlier champion to roll back to (champion is {f'v{current}' if current else 'unset'}, "
+            f"history {client.get_registered_model(name).tags.get(HISTORY_TAG) or 'empty'}); "
+            f"promote a version instead: pipelines/promote.py --model {name} --version N"
+        )
+    previous = history[-1]
+    client.set_registered_model_alias(name, CHAMPION, previous)
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
+    return AliasChange(name, CHAMPION, current, previous)
+
+
+def _check_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        names = sorted(m.name for m in client.search_registered_models(max_results=50))
+        raise TrackingError(
+            f"no registered model {name!r}; registered models: {', '.join(names) or 'none'}"
+        ) from None
+
+
+def _check_version(client: MlflowClient, name: str, version: str) -> None:
+    _check_model(client, name)
+    try:
+        client.get_model_version(name, str(version))
+    except MlflowException:
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise TrackingError(
+            f"{name} has no version {version!r}; versions: {', '.join(map(str, versions)) or 'none'}"
+        ) from None

@@ -1,0 +1,347 @@
+"""One pipeline run = one MLflow run, owned by the driver.
+
+The driver creates (or, for a run name it has seen before, reopens) the MLflow run, logs the
+spec, tags and input dataset, and at the end the artifacts, the pyfunc model and the registry
+entry. Per-epoch metrics are logged live by a Ray Train callback that runs in the controller
+actor, which Ray Train places on the driver's node; workers never talk to MLflow. Each epoch is
+logged once, with the epoch as its step: after a worker restart or a driver re-run the epochs
+already in MLflow are skipped, and the driver fills in any epoch the callback could not log.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import ray.train
+from mlflow import MlflowClient
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+import flotilla
+from flotilla.config import PRIMARY_METRIC, RunSpec, spec_to_yaml
+from flotilla.errors import BundleError, TrackingError
+from flotilla.track._curves import plot_training_curves
+from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
+from flotilla.track._registry import CANDIDATE, CHAMPION, AliasChange, alias_version, ensure_registered_model, set_alias
+from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
+
+PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
+PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
+RUN_NAME_TAG = "flotilla.run_name"
+# What loading the pyfunc model needs (the bundle, not the training stack).
+MODEL_REQUIREMENTS = ("torch", "ray", "safetensors", "numpy", "pandas", "pyarrow", "pydantic", "pyyaml", "mlflow")
+
+
+@dataclass
+class Registration:
+    model_name: str
+    version: str
+    gate: GateDecision
+    champion: AliasChange | None  # set when the gate promoted this version
+
+    def describe(self) -> str:
+        aliases = f"{CANDIDATE}, {CHAMPION}" if self.champion else CANDIDATE
+        return f"registered {self.model_name} v{self.version} ({aliases}); gate {self.gate.summary()}"
+
+
+class EpochMetricsLogger(ray.train.UserCallback):
+    """Logs each epoch's metrics (rank 0's; they are reduced across ranks) with step = epoch."""
+
+    def __init__(self, uri: str, run_id: str, logged_steps: set[int]):
+        self.uri, self.run_id, self.logged_steps = uri, run_id, set(logged_steps)
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if not metrics:
+            return
+        step = int(metrics[0].get("epoch", 0))
+        if step in self.logged_steps:
+            return  # re-reported after a resume: the history keeps one point per epoch
+        try:
+            MlflowClient(self.uri).log_batch(self.run_id, metrics=epoch_metrics(metrics[0]))
+            self.logged_steps.add(step)
+        except Exception as e:  # the driver fills this epoch in at the end; training goes on
+            print(f"WARNING: could not log epoch {step} to MLflow ({type(e).__name__}: {e}); will retry at the end")
+
+
+def epoch_metrics(m: dict[str, Any]) -> list[Metric]:
+    now = int(time.time() * 1000)
+    step = int(m.get("epoch", 0))
+    return [
+        Metric(key, float(value), now, step)
+        for key, value in m.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "zero_stage", "world_size")
+    ]
+
+
+class Tracker:
+    """The MLflow side of one pipeline run."""
+
+    def __init__(self, spec: RunSpec, run_name: str):
+        self.spec, self.run_name = spec, run_name
+        self.uri, self.artifact_location = resolve_tracking_uri(spec.track.uri)
+        check_tracking_uri(self.uri)  # before Ray or data: a bad URI costs seconds, not a run
+        self.client = MlflowClient(self.uri)
+        self.experiment_name = spec.track.experiment or spec.name
+        self.model_name = spec.track.model_name or spec.name
+        self.run_id: str | None = None
+        self.continued = False
+        self.logged_steps: set[int] = set()
+
+    # ------------------------------------------------------------------ start
+    def start(self, prepared, storage_dir: str) -> None:
+        experiment_id = self._experiment_id()
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{self.run_name}'", max_results=2
+        )
+        if found:
+            self.run_id, self.continued = found[0].info.run_id, True
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(experiment_id, run_name=self.run_name, tags={RUN_NAME_TAG: self.run_name})
+            self.run_id = run.info.run_id
+        self._log_params()
+        t = self.spec.train
+        tags = {
+            "flotilla.storage": storage_dir,
+            "flotilla.data_fingerprint": prepared.fingerprint,
+            "flotilla.data_source": prepared.source.description,
+            "resources.num_workers": str(t.num_workers),
+            "resources.cpus": f"{t.num_workers * t.cpus_per_worker:g}",
+            "resources.gpus": f"{t.num_workers * t.gpus_per_worker:g}",
+            **_versions(),
+            **_git(),
+        }
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self._log_text(spec_to_yaml(self.spec), "spec.yaml")
+        self._log_input(prepared)
+        self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "train_loss")}
+        how = f"continued, {len(self.logged_steps)} epochs logged before" if self.continued else "new"
+        print(f"[{self.run_name}] MLflow run {self.run_id} ({how}) in experiment {self.experiment_name!r} at {self.uri}",
+              flush=True)
+
+    def callback(self) -> EpochMetricsLogger:
+        return EpochMetricsLogger(self.uri, self.run_id, self.logged_steps)
+
+    # ----------------------------------------------------------------- finish
+    def finish(self, outcome, prepared, wall_time_s: float, bundle_dir: Path) -> Registration | None:
+        """Fill in the metric history, log artifacts and the model, register and gate it."""
+        try:
+            history = outcome.history
+            logged = {m.step for m in self.client.get_metric_history(self.run_id, "train_loss")}
+            missing = [m for m in history if m["epoch"] not in logged]
+            for m in missing:
+                self.client.log_batch(self.run_id, metrics=epoch_metrics(m))
+            final = outcome.metrics
+            self.client.log_batch(
+                self.run_id,
+                metrics=[Metric("wall_time_s", wall_time_s, int(time.time() * 1000), int(final["epoch"]))],
+                tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend") if k in final],
+            )
+            with tempfile.TemporaryDirectory(prefix="flotilla-track-") as tmp:
+                curve = plot_training_curves(history, Path(tmp) / "training_curves.png", self.run_name)
+                self.client.log_artifact(self.run_id, str(curve))
+                self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
+            model_uri = self._log_model(bundle_dir, prepared)
+            registration = self._register(model_uri, outcome, prepared, bundle_dir) if self.spec.track.register_model else None
+            self.client.set_terminated(self.run_id, "FINISHED")
+            return registration
+        except MlflowException as e:
+            self.fail(e)
+            raise TrackingError(f"recording run {self.run_name!r} in MLflow at {self.uri} failed: {e.message}") from None
+
+    def fail(self, error: BaseException) -> None:
+        if self.run_id is None:
+            return
+        try:
+            self.client.set_tag(self.run_id, "flotilla.error", str(error)[:4000])
+            self.client.set_terminated(self.run_id, "FAILED")
+        except Exception:  # the original error matters more than this one
+            pass
+
+    # ---------------------------------------------------------------- helpers
+    def _experiment_id(self) -> str:
+        experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+        except MlflowException:  # created by a concurrent pipeline in the meantime
+            return self.client.get_experiment_by_name(self.experiment_name).experiment_id
+
+    def _log_params(self) -> None:
+        params = flatten(self.spec.model_dump(mode="json"))
+        before = self.client.get_run(self.run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in before]
+        changed = {k: f"{before[k]} -> {v}" for k, v in params.items() if k in before and before[k] != v}
+        for i in range(0, len(new), 100):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, params=new[i : i + 100])
+        if changed:  # params are immutable in MLflow; the change is kept as tags
+            self.client.log_batch(self.run_id, tags=[RunTag(f"flotilla.changed.{k}", v) for k, v in changed.items()])
+
+    def _log_text(self, text: str, name: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="flotilla-track-") as tmp:
+            path = Path(tmp) / name
+            path.write_text(text)
+            self.client.log_artifact(self.run_id, str(path))
+
+    def _log_input(self, prepared) -> None:
+        from mlflow.data.meta_dataset import MetaDataset
+
+        dataset = MetaDataset(
+            source=_dataset_source(prepared.source),
+            name=f"{self.spec.name}:{prepared.source.description}"[:500],
+            digest=prepared.fingerprint[:16],  # MLflow keeps 36 characters; the full hash is a run tag
+        )
+        tags = [InputTag("mlflow.data.context", "training"), InputTag("flotilla.data_fingerprint", prepared.fingerprint)]
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
+
+    def _log_model(self, bundle_dir: Path, prepared) -> str:
+        from mlflow.models import infer_signature
+
+        from flotilla.bundle import load_bundle
+
+        bundle = load_bundle(bundle_dir)
+        if bundle.task == "lm":
+            example = _pd().DataFrame({"prompt": ["def "]})
+            params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
+        else:
+            # Features as float64: the bundle scales them as floats, and MLflow's schema then
+            # accepts integer columns too (a safe widening) where int64 would refuse floats.
+            example = prepared.val_raw.limit(3).to_pandas()[prepared.schema["feature_columns"]].astype("float64")
+            params = None
+        output = bundle.predict_frame(example, params)
+        mlflow.set_tracking_uri(self.uri)
+        with mlflow.start_run(run_id=self.run_id):
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(PYFUNC_CODE),
+                artifacts={"bundle": str(bundle_dir)},
+                code_paths=[str(PACKAGE_DIR)],
+                signature=infer_signature(example, output, params),
+                input_example=(example, params) if params else example,
+                pip_requirements=[_pin(p) for p in MODEL_REQUIREMENTS],
+            )
+        return info.model_uri
+
+    def _register(self, model_uri: str, outcome, prepared, bundle_dir: Path) -> Registration:
+        name, gate = self.model_name, self.spec.track.gate
+        ensure_registered_model(self.client, name)
+        version = self.client.create_model_version(
+            name,
+            source=model_uri,
+            run_id=self.run_id,
+            tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": outcome.fingerprint},
+            model_id=model_uri.removeprefix("models:/"),
+        ).version
+        version = str(version)
+        set_alias(self.client, name, CANDIDATE, version)
+        decision = check_rules(gate, outcome.metrics)
+        if gate.beat_champion:
+            self._compare_with_champion(decision, prepared, bundle_dir)
+        champion = set_alias(self.client, name, CHAMPION, version) if decision.passed else None
+        tags = {"flotilla.gate": "passed" if decision.passed else "failed", "flotilla.gate.detail": decision.summary()}
+        tags.update({f"flotilla.{k}": str(v) for k, v in decision.numbers.items()})
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, value[:5000])
+        self.client.set_tag(self.run_id, "flotilla.registered_version", f"{name}/{version}")
+        return Registration(name, version, decision, champion)
+
+    def _compare_with_champion(self, decision: GateDecision, prepared, bundle_dir: Path) -> None:
+        from flotilla.bundle import load_bundle
+
+        task = prepared.schema["task"]
+        current = alias_version(self.client, self.model_name, CHAMPION)
+        candidate = load_bundle(bundle_dir)
+        bundles = [candidate]
+        if current is not None:
+            mlflow.set_tracking_uri(self.uri)
+            try:
+                bundles.append(mlflow.pyfunc.load_model(f"models:/{self.model_name}/{current}").unwrap_python_model().bundle)
+            except Exception as e:
+                decision.passed = False
+                decision.checks.append(f"champion v{current} could not be loaded to compare: {type(e).__name__}: {e}")
+                return
+        label = prepared.schema.get("label_column")
+        text = prepared.schema.get("text_column")
+        try:
+            values, rows = evaluate_bundles(
+                bundles, prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas"), label, text
+            )
+        except BundleError as e:
+            decision.passed = False
+            decision.checks.append(f"champion v{current} cannot score this run's validation rows: {e}")
+            return
+        compare_with_champion(decision, self.spec.track.gate, task, values[0],
+                              values[1] if current is not None else None, current, rows)
+
+
+def open_tracker(spec: RunSpec, run_name: str) -> Tracker | None:
+    return Tracker(spec, run_name) if spec.track.enabled else None
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"train": {"lr": 0.001}}` -> `{"train.lr": "0.001"}`; lists and nulls as JSON."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def _dataset_source(source):
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+    location = source.description if "://" in source.description else str(Path(source.paths[0]).resolve().parent)
+    try:
+        return resolve_dataset_source(location)
+    except Exception:
+        return CodeDatasetSource({"location": location})
+
+
+def _versions() -> dict[str, str]:
+    tags = {"flotilla.version": flotilla.__version__}
+    for dist in ("ray", "deepspeed", "torch", "mlflow"):
+        try:
+            tags[f"{dist}.version"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            tags[f"{dist}.version"] = "not installed"
+    return tags
+
+
+def _git() -> dict[str, str]:
+    """The commit of the checkout this code runs from, and whether its tree had changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # a `ray job submit` working dir has no .git
+        return {"mlflow.source.git.commit": "unknown", "flotilla.git_dirty": "unknown"}
+    return {"mlflow.source.git.commit": commit, "flotilla.git_dirty": str(dirty).lower()}
+
+
+def _pin(dist: str) -> str:
+    try:
+        return f"{dist}=={metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        return dist
+
+
+def _pd():
+    import pandas
+
+    return pandas

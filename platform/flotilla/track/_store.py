@@ -1,0 +1,88 @@
+"""Where tracking data lives: resolve the MLflow URI and check it works before training starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from flotilla.errors import TrackingError
+
+# The embedded default, under the working directory (git ignores it).
+DEFAULT_DIR = "mlruns"
+
+
+def resolve_tracking_uri(uri: str | None) -> tuple[str, str | None]:
+    """(tracking URI, artifact location for new experiments or None for the store's own default).
+
+    `track.uri`, else $MLFLOW_TRACKING_URI, else a SQLite store in ./mlruns with artifacts beside it.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        scheme = urlparse(uri).scheme
+        if scheme == "sqlite":
+            # A local artifact root beside the database instead of MLflow's ./mlartifacts default.
+            db = Path(uri.removeprefix("sqlite:///"))
+            return uri, (db.parent / "artifacts").resolve().as_uri()
+        return uri, None
+    root = (Path.cwd() / DEFAULT_DIR).resolve()
+    return f"sqlite:///{root}/mlflow.db", (root / "artifacts").as_uri()
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming the URI, when the store cannot be reached or is not an MLflow store."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        import requests
+
+        try:
+            reply = requests.get(uri.rstrip("/") + "/health", timeout=timeout_s)
+        except requests.RequestException as e:
+            raise TrackingError(
+                f"track.uri {uri!r}: cannot reach the MLflow tracking server ({type(e).__name__}); "
+                "start it (`mlflow server --host 127.0.0.1 --port ...`) or fix `--set track.uri=...`"
+            ) from None
+        if reply.status_code != 200:
+            raise TrackingError(
+                f"track.uri {uri!r} answered {reply.status_code} on /health; is it an MLflow tracking server?"
+            )
+    elif scheme == "sqlite":
+        db = Path(uri.removeprefix("sqlite:///"))
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"track.uri {uri!r}: cannot create {db.parent}: {e.strerror}") from None
+    elif scheme in ("", "file"):
+        raise TrackingError(
+            f"track.uri {uri!r}: MLflow's plain file store is deprecated; use a database such as "
+            f"`sqlite:///{Path(uri.removeprefix('file://') or '.').resolve()}/mlflow.db` or a tracking server URL"
+        )
+    with _quick_http():
+        from mlflow import MlflowClient
+
+        try:
+            MlflowClient(uri).search_experiments(max_results=1)
+        except Exception as e:  # MLflow raises many types: unknown scheme, driver missing, auth
+            raise TrackingError(f"track.uri {uri!r} is not a usable MLflow store: {_first_line(e)}") from None
+
+
+class _quick_http:
+    """MLflow retries HTTP calls for minutes by default; a startup check should answer in seconds."""
+
+    VARS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+    def __enter__(self):
+        self.before = {k: os.environ.get(k) for k in self.VARS}
+        os.environ.update(self.VARS)
+
+    def __exit__(self, *exc):
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0][:500] if lines else type(e).__name__

@@ -1,0 +1,30 @@
+"""The MLflow pyfunc model of an inference bundle, logged as code ("models from code").
+
+MLflow stores this file with the model and runs it on load; the weights come from the bundle
+(safetensors + JSON) logged as the model's artifact `bundle`, so loading unpickles nothing.
+
+    model = mlflow.pyfunc.load_model("models:/digits@champion")
+    model.predict(pandas.DataFrame(rows))        # classification: columns `prediction`, `probabilities`
+    model.predict(pandas.DataFrame({"prompt": ["def "]}), params={"max_tokens": 32})   # gpt: `text`
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow.pyfunc import PythonModel
+
+
+class BundleModel(PythonModel):
+    def load_context(self, context) -> None:
+        from flotilla.bundle import load_bundle
+
+        self.bundle = load_bundle(context.artifacts["bundle"])
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        return self.bundle.predict_frame(model_input, params)
+
+
+mlflow.models.set_model(BundleModel())

@@ -1,0 +1,181 @@
+"""Tracking pieces that need no Ray: the gate, the registry aliases, URI checks, the curve plot.
+
+The registry tests use a real MLflow SQLite store with real (tiny) model versions.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from flotilla.config import GateSpec, load_spec
+from flotilla.errors import SpecError, TrackingError
+from flotilla.track import (
+    CHAMPION,
+    alias_version,
+    champion_history,
+    check_rules,
+    check_tracking_uri,
+    flatten,
+    resolve_tracking_uri,
+    rollback_champion,
+    set_alias,
+)
+from flotilla.track._curves import plot_training_curves
+from flotilla.track._gate import compare_with_champion
+
+
+def test_gate_rules_are_checked_with_their_numbers():
+    gate = GateSpec(require=["val_accuracy >= 0.95", "val_loss < 0.2"])
+    passed = check_rules(gate, {"val_accuracy": 0.96, "val_loss": 0.1})
+    assert passed.passed and passed.numbers == {"gate.val_accuracy": 0.96, "gate.val_loss": 0.1}
+    failed = check_rules(gate, {"val_accuracy": 0.94, "val_loss": 0.1})
+    assert not failed.passed
+    assert "val_accuracy 0.9400 >= 0.95 FAILED" in failed.summary()
+    missing = check_rules(GateSpec(require=["val_rmse <= 1"]), {"val_accuracy": 0.9})
+    assert not missing.passed and "reported no val_rmse" in missing.summary()
+
+
+def test_champion_comparison_respects_direction_and_tolerance():
+    gate = GateSpec(beat_champion=True, tolerance=0.01)
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "classification", 0.955, 0.96, "3", 300)
+    assert decision.passed, decision.summary()  # 0.005 worse, within tolerance
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "classification", 0.94, 0.96, "3", 300)
+    assert not decision.passed and "vs champion v3 0.9600" in decision.summary()
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "lm", 5.0, 4.0, "1", 10)  # perplexity: lower is better
+    assert not decision.passed
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "regression", 1.0, None, None, 10)
+    assert decision.passed and "no champion yet" in decision.summary()
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ("val_accuracy => 0.9", "is not `<metric> <op> <number>`"),
+        ("val_acc >= 0.9", "unknown metric 'val_acc'"),
+        ("val_accuracy >= high", "is not `<metric> <op> <number>`"),
+    ],
+)
+def test_malformed_gate_rules_are_rejected_with_the_field(rule, message):
+    with pytest.raises(SpecError, match="track.gate.require") as info:
+        load_spec(None, [f"track.gate.require=[{rule!r}]"])
+    assert message in str(info.value)
+
+
+def test_gpt_gate_on_accuracy_is_rejected():
+    with pytest.raises(SpecError, match="which a gpt run does not report"):
+        load_spec(None, ["model.kind=gpt", "data.source=pycode", "track.gate.require=['val_accuracy >= 0.9']"])
+
+
+def test_unknown_track_key_suggests_the_right_one():
+    with pytest.raises(SpecError, match=r"did you mean `track.model_name`"):
+        load_spec(None, ["track.modelname=x"])
+
+
+def test_flatten_spec_into_params():
+    params = flatten(load_spec(None, ["model.hidden=[8, 4]"]).model_dump(mode="json"))
+    assert params["train.lr"] == "0.001" and params["model.hidden"] == "[8, 4]" and params["track.uri"] == "null"
+    assert params["track.gate.require"] == "[]"
+
+
+def test_default_store_is_sqlite_under_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri, artifacts = resolve_tracking_uri(None)
+    assert uri == f"sqlite:///{tmp_path.resolve()}/mlruns/mlflow.db"
+    assert artifacts == (tmp_path.resolve() / "mlruns" / "artifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert resolve_tracking_uri(None) == ("http://127.0.0.1:5000", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_fails_fast_naming_the_uri():
+    uri = f"http://127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    with pytest.raises(TrackingError, match=f"track.uri '{uri}': cannot reach the MLflow tracking server"):
+        check_tracking_uri(uri)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "uri, message",
+    [("file:///tmp/mlruns", "plain file store is deprecated"), ("bogus://x/y", "is not a usable MLflow store")],
+)
+def test_misconfigured_uri_is_rejected(uri, message):
+    with pytest.raises(TrackingError, match=message):
+        check_tracking_uri(uri)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real SQLite-backed registry with model `m` at versions 1..4 (sources are empty dirs)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("m")
+    for _ in range(4):
+        (tmp_path / "src").mkdir(exist_ok=True)
+        client.create_model_version("m", source=str(tmp_path / "src"))
+    return client
+
+
+def test_promote_and_roll_back_champion(registry):
+    assert set_alias(registry, "m", CHAMPION, "1").describe() == "m@champion: unset -> v1 (promoted)"
+    set_alias(registry, "m", CHAMPION, "2")
+    change = set_alias(registry, "m", CHAMPION, "4")
+    assert change.describe() == "m@champion: v2 -> v4 (promoted)"
+    assert champion_history(registry, "m") == ["1", "2", "4"]
+    back = rollback_champion(registry, "m")
+    assert back.describe("rolled back") == "m@champion: v4 -> v2 (rolled back)"
+    assert alias_version(registry, "m", CHAMPION) == "2"
+    rollback_champion(registry, "m")
+    assert alias_version(registry, "m", CHAMPION) == "1"
+    with pytest.raises(TrackingError, match="no earlier champion to roll back to"):
+        rollback_champion(registry, "m")
+
+
+def test_promote_names_what_exists(registry):
+    with pytest.raises(TrackingError, match=r"m has no version '9'; versions: 1, 2, 3, 4"):
+        set_alias(registry, "m", CHAMPION, "9")
+    with pytest.raises(TrackingError, match=r"no registered model 'nope'; registered models: m"):
+        set_alias(registry, "nope", CHAMPION, "1")
+
+
+def test_promote_script_prints_what_changed(registry, tmp_path, capsys):
+    import importlib.util
+
+    from tests.integration._helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("promote", ROOT / "pipelines" / "promote.py")
+    promote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(promote)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert promote.main(["--model", "m", "--version", "3", "--tracking-uri", uri]) == 0
+    assert promote.main(["--model", "m", "--version", "4", "--tracking-uri", uri]) == 0
+    assert promote.main(["--model", "m", "--rollback", "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["m@champion: unset -> v3 (promoted)", "m@champion: v3 -> v4 (promoted)",
+                   "m@champion: v4 -> v3 (rolled back)"]
+    assert promote.main(["--model", "m", "--version", "7", "--tracking-uri", uri]) == 2
+    assert "m has no version '7'" in capsys.readouterr().err
+
+
+def test_training_curves_png(tmp_path):
+    history = [
+        {"epoch": e, "train_loss": 1 / e, "val_loss": 1.2 / e, "train_accuracy": 0.5 + e / 10, "val_accuracy": 0.4 + e / 10}
+        for e in (1, 2, 3)
+    ]
+    path = plot_training_curves(history, tmp_path / "curves.png", "run")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
