@@ -5,12 +5,13 @@
 
 With no Ray cluster running it starts a local one; under `ray job submit` (or with
 RAY_ADDRESS set) it uses that cluster. The run is recorded in MLflow (`track.uri`, default
-./mlruns) and its bundle registered. Exit codes: 0 done, 2 bad spec or input, 1 failed.
+./mlruns) and its bundle registered. Exit codes: 0 done, 2 bad spec, input or tracking URI, 1 failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from flotilla import FlotillaError, load_spec, run_training  # noqa: E402
-from flotilla.errors import DataError, SpecError  # noqa: E402
+from flotilla.errors import DataError, SpecError, TrackingError  # noqa: E402
+
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per epoch is the log
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
 
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_training(spec)
     except FlotillaError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (SpecError, DataError)) else 1
+        return 2 if isinstance(e, (SpecError, DataError, TrackingError)) else 1
     m = outcome.metrics
     quality = next((f"{k} {m[k]:.4f}" for k in ("val_accuracy", "val_perplexity", "val_rmse") if k in m), "")
     print(f"run {outcome.run_name}: {quality} after {m['epoch']} epochs; bundle at {outcome.bundle_path}")

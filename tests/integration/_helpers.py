@@ -15,8 +15,25 @@ DIGITS = ROOT / "configs" / "digits.yaml"
 
 
 def digits_spec(storage: Path, *overrides: str) -> RunSpec:
-    """The default config with its runs under `storage`; short unless told otherwise."""
-    return load_spec(DIGITS, [f"train.storage_path={storage}", *overrides])
+    """The default config with its runs and its MLflow store under `storage`."""
+    return load_spec(DIGITS, [f"train.storage_path={storage}", f"track.uri={store_uri(storage)}", *overrides])
+
+
+def store_uri(directory: Path) -> str:
+    return f"sqlite:///{directory}/mlflow.db"
+
+
+def mlflow_runs(uri: str, experiment: str = "digits"):
+    """Every MLflow run of `experiment` in the store at `uri`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+def metric_steps(client, run_id: str, key: str = "train_loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
 def digits_val_rows(spec: RunSpec):

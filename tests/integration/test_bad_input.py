@@ -97,3 +97,23 @@ def test_broken_model_factory_fails_before_training(ray_cluster, tmp_path):
 
     spec = digits_spec(tmp_path, "model={kind: custom, factory: 'no_such_module:build'}")
     _fails_fast(spec, ModelError, r"model.factory 'no_such_module:build': cannot import 'no_such_module'")
+
+
+def test_unreachable_tracking_server_fails_before_training(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    uri = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pipelines" / "train.py"), "--set", f"track.uri={uri}",
+         "--set", f"train.storage_path={tmp_path / 'runs'}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"track.uri '{uri}': cannot reach the MLflow tracking server" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists(), "nothing may start before the tracking store is known to work"
+    assert time.monotonic() - started < 60

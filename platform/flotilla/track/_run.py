@@ -213,8 +213,8 @@ class Tracker:
             example = _pd().DataFrame({"prompt": ["def "]})
             params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
         else:
-            # Features as float64: the bundle scales them as floats, and MLflow's schema then
-            # accepts integer columns too (a safe widening) where int64 would refuse floats.
+            # Features as float64, the type the bundle scales them in; MLflow's schema then
+            # accepts float32 and int32 columns too (safe widenings).
             example = prepared.val_raw.limit(3).to_pandas()[prepared.schema["feature_columns"]].astype("float64")
             params = None
         output = bundle.predict_frame(example, params)

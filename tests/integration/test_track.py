@@ -1,0 +1,132 @@
+"""MLflow tracking and the registry on a real SQLite store, after real training runs.
+
+One store for the module: the default config's run becomes `champion` (v1); a weaker run then
+registers v2, which the gate keeps at `candidate`; promotion and rollback move `champion`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import mlflow
+import numpy as np
+import pytest
+
+from flotilla import load_bundle, run_training
+from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten
+
+from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("track")
+
+
+@pytest.fixture(scope="module")
+def champion(ray_cluster, store):
+    spec = digits_spec(store)  # as `make demo` runs it: ZeRO-2, 2 workers, gate val_accuracy >= 0.95
+    return spec, run_training(spec)
+
+
+def test_default_config_reaches_95_percent_and_bundle_predicts_like_the_model(champion, store):
+    spec, outcome = champion
+    assert outcome.metrics["val_accuracy"] >= 0.95
+    assert len(outcome.history) == spec.train.epochs
+    assert all("resumed_from_step" not in m for m in outcome.history)  # a new name starts fresh
+    bundle = load_bundle(outcome.bundle_path)
+    for name in ("model.safetensors", "model.json", "preprocessors.json", "metrics.json"):
+        assert (store / outcome.run_name / "bundle" / name).is_file()
+    rows, labels = digits_val_rows(spec)
+    # Raw rows in, preprocessing from the bundle: the same accuracy the run reported
+    # (the equal per-rank split may leave out one row; bf16 training shifts a few logits).
+    assert accuracy(bundle.predict(rows)["predictions"], labels) == pytest.approx(
+        outcome.metrics["val_accuracy"], abs=2 / len(labels) + (0.01 if outcome.metrics["precision"] != "fp32" else 0)
+    )
+    assert (store / outcome.run_name / "fingerprint.txt").read_text().strip() == outcome.fingerprint
+
+
+def test_the_run_is_recorded_in_mlflow(champion):
+    spec, outcome = champion
+    client, runs = mlflow_runs(outcome.tracking_uri)
+    run = next(r for r in runs if r.info.run_id == outcome.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == outcome.run_name
+    # The resolved spec, flattened, is the params; the YAML is an artifact.
+    assert run.data.params == flatten(spec.model_dump(mode="json"))
+    # One point per epoch, stepped by epoch, for every per-epoch metric.
+    for key in ("train_loss", "val_loss", "val_accuracy", "train_accuracy", "samples_per_s"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == list(range(1, spec.train.epochs + 1)), key
+    assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.metrics["val_accuracy"])
+    assert run.data.metrics["wall_time_s"] > 0
+    tags = run.data.tags
+    assert tags["flotilla.data_fingerprint"] == outcome.fingerprint
+    assert tags["flotilla.precision"] == outcome.metrics["precision"] and tags["flotilla.zero_stage"] == "2"
+    assert tags["resources.num_workers"] == "2" and tags["resources.cpus"] == "2" and tags["resources.gpus"] == "0"
+    assert len(tags["mlflow.source.git.commit"]) == 40 and tags["flotilla.git_dirty"] in ("true", "false")
+    for dist in ("ray", "deepspeed", "torch", "flotilla"):
+        assert tags[f"{dist}.version"][0].isdigit(), dist
+    # The input dataset carries the fingerprint.
+    (dataset_input,) = run.inputs.dataset_inputs
+    assert dataset_input.dataset.digest == outcome.fingerprint[:16]
+    assert {t.key: t.value for t in dataset_input.tags}["flotilla.data_fingerprint"] == outcome.fingerprint
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"spec.yaml", "preprocessors.json", "training_curves.png"} <= artifacts
+    curves = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="training_curves.png",
+                                                 tracking_uri=outcome.tracking_uri)
+    assert open(curves, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    preprocessors = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="preprocessors.json",
+                                                        tracking_uri=outcome.tracking_uri)
+    assert json.load(open(preprocessors)) == json.loads((load_bundle(outcome.bundle_path).path / "preprocessors.json").read_text())
+    # Registered, gated, promoted.
+    version = client.get_model_version("digits", "1")
+    assert set(version.aliases) == {CANDIDATE, CHAMPION}
+    assert version.run_id == run.info.run_id
+    assert version.tags["flotilla.gate"] == "passed"
+    assert "no champion yet" in version.tags["flotilla.gate.detail"]
+    assert outcome.registration.version == "1" and outcome.registration.champion is not None
+
+
+def test_pyfunc_predictions_equal_bundle_predictions(champion):
+    spec, outcome = champion
+    mlflow.set_tracking_uri(outcome.tracking_uri)
+    model = mlflow.pyfunc.load_model("models:/digits@champion")
+    rows, _ = digits_val_rows(spec)
+    served = model.predict(rows)
+    direct = load_bundle(outcome.bundle_path).predict(rows)
+    assert served["prediction"].tolist() == direct["predictions"]
+    np.testing.assert_allclose(np.array(served["probabilities"].tolist()), np.array(direct["probabilities"]), atol=1e-6)
+    # The signature guards the input: a missing feature is refused before the model runs.
+    with pytest.raises(mlflow.exceptions.MlflowException, match="pixel_5"):
+        model.predict(rows.drop(columns=["pixel_5"]))
+
+
+def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champion(champion, store, capsys):
+    _, first = champion
+    # Clears the fixed bar, but is worse than the champion on the same validation rows.
+    weak = run_training(digits_spec(store, "train.epochs=1", "train.lr=0.001", "track.gate.require=['val_accuracy >= 0.1']"))
+    client, runs = mlflow_runs(weak.tracking_uri)
+    assert len({r.info.run_id for r in runs}) == len(runs) >= 2
+    version = client.get_model_version("digits", weak.registration.version)
+    assert weak.registration.version == "2" and version.aliases == [CANDIDATE]
+    assert version.tags["flotilla.gate"] == "failed"
+    assert "vs champion v1" in version.tags["flotilla.gate.detail"]
+    assert float(version.tags["flotilla.gate.champion_val_accuracy"]) > float(version.tags["flotilla.gate.candidate_val_accuracy"])
+    assert alias_version(client, "digits", CHAMPION) == "1"
+    assert alias_version(client, "digits", CANDIDATE) == "2"
+
+    spec = importlib.util.spec_from_file_location("promote", ROOT / "pipelines" / "promote.py")
+    promote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(promote)
+    capsys.readouterr()
+    assert promote.main(["--model", "digits", "--version", "2", "--tracking-uri", weak.tracking_uri]) == 0
+    assert alias_version(client, "digits", CHAMPION) == "2"
+    assert promote.main(["--rollback", "--config", str(ROOT / "configs" / "digits.yaml"), "--tracking-uri", weak.tracking_uri]) == 0
+    assert alias_version(client, "digits", CHAMPION) == "1"
+    assert capsys.readouterr().out.splitlines() == [
+        "digits@champion: v1 -> v2 (promoted)",
+        "digits@champion: v2 -> v1 (rolled back)",
+    ]
