@@ -34,4 +34,4 @@ benchmark: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs mlruns .pytest_cache

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     quality = next((f"{k} {m[k]:.4f}" for k in ("val_accuracy", "val_perplexity", "val_rmse") if k in m), "")
     print(f"run {outcome.run_name}: {quality} after {m['epoch']} epochs; bundle at {outcome.bundle_path}")
     if outcome.mlflow_run_id:
-        print(f"MLflow run {outcome.mlflow_run_id} at {outcome.tracking_uri}")
+        browse = f"; browse: mlflow ui --backend-store-uri {outcome.tracking_uri}" if outcome.tracking_uri.startswith("sqlite") else ""
+        print(f"MLflow run {outcome.mlflow_run_id} at {outcome.tracking_uri}{browse}")
     if outcome.registration is not None:
         print(outcome.registration.describe())
     return 0

@@ -1,0 +1,109 @@
+"""Real services for tests: a PostgreSQL server and an MLflow tracking server backed by it.
+
+Each is started on 127.0.0.1 with a free port and a temporary directory, and stopped — with
+exactly what was started — when the `with` block ends, whatever happened inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_binary(name: str) -> str | None:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    return found
+
+
+def _ensure_postgres_installed() -> None:
+    if _pg_binary("initdb") and _pg_binary("pg_ctl"):
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):  # Debian's package, as the machine notes say
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "postgresql"],
+                       check=True, env=env, capture_output=True, timeout=900)
+    if not (_pg_binary("initdb") and _pg_binary("pg_ctl")):
+        raise RuntimeError("PostgreSQL's initdb/pg_ctl are not installed and could not be installed with apt-get; "
+                           "install Debian's `postgresql` package")
+
+
+@contextlib.contextmanager
+def postgres_server(database: str = "mlflow"):
+    """Yield a SQLAlchemy URI `postgresql://postgres@127.0.0.1:PORT/<database>` to a fresh server."""
+    _ensure_postgres_installed()
+    # initdb refuses to run as root: run the server as the `postgres` user in a directory it owns.
+    as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    root = Path(tempfile.mkdtemp(prefix="flotilla-pg-"))
+    data = root / "data"
+    port = free_port()
+    started = False
+    try:
+        if as_postgres:
+            shutil.chown(root, "postgres", "postgres")
+        run = lambda *cmd: subprocess.run([*as_postgres, *cmd], check=True, capture_output=True, text=True, timeout=120)  # noqa: E731
+        run(_pg_binary("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        # -F: no fsync (a test database); -k: the socket lives in our directory, not /var/run.
+        run(_pg_binary("pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60",
+            "-o", f"-F -k {root} -h 127.0.0.1 -p {port}", "start")
+        started = True
+        run(_pg_binary("psql") or "psql", "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-q",
+            "-c", f"CREATE DATABASE {database}")
+        yield f"postgresql://postgres@127.0.0.1:{port}/{database}"
+    finally:
+        if started:
+            subprocess.run([*as_postgres, _pg_binary("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                           capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def mlflow_server(backend_store_uri: str, artifacts: Path, timeout_s: float = 180):
+    """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(artifacts.parent / f"mlflow-server-{port}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts), "--workers", "2"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {proc.returncode}; see {log.name}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not answer /health within {timeout_s:.0f}s; see {log.name}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
