@@ -84,8 +84,8 @@ def epoch_metrics(m: dict[str, Any]) -> list[Metric]:
 class Tracker:
     """The MLflow side of one pipeline run."""
 
-    def __init__(self, spec: RunSpec, run_name: str):
-        self.spec, self.run_name = spec, run_name
+    def __init__(self, spec: RunSpec, run_name: str, tags: dict[str, str] | None = None):
+        self.spec, self.run_name, self.extra_tags = spec, run_name, dict(tags or {})
         self.uri, self.artifact_location = resolve_tracking_uri(spec.track.uri)
         check_tracking_uri(self.uri)  # before Ray or data: a bad URI costs seconds, not a run
         self.client = MlflowClient(self.uri)
@@ -105,7 +105,9 @@ class Tracker:
             self.run_id, self.continued = found[0].info.run_id, True
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            run = self.client.create_run(experiment_id, run_name=self.run_name, tags={RUN_NAME_TAG: self.run_name})
+            run = self.client.create_run(
+                experiment_id, run_name=self.run_name, tags={RUN_NAME_TAG: self.run_name, **self.extra_tags}
+            )
             self.run_id = run.info.run_id
         self._log_params()
         t = self.spec.train
@@ -149,8 +151,10 @@ class Tracker:
                 curve = plot_training_curves(history, Path(tmp) / "training_curves.png", self.run_name)
                 self.client.log_artifact(self.run_id, str(curve))
                 self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
-            model_uri = self._log_model(bundle_dir, prepared)
-            registration = self._register(model_uri, outcome, prepared, bundle_dir) if self.spec.track.register_model else None
+            if self.spec.track.register_model:
+                registration = self.register_bundle(bundle_dir, final, outcome.fingerprint, prepared)
+            else:
+                registration = None
             self.client.set_terminated(self.run_id, "FINISHED")
             return registration
         except MlflowException as e:
@@ -231,19 +235,24 @@ class Tracker:
             )
         return info.model_uri
 
-    def _register(self, model_uri: str, outcome, prepared, bundle_dir: Path) -> Registration:
+    def register_bundle(self, bundle_dir: Path, metrics: dict[str, Any], fingerprint: str, prepared) -> Registration:
+        """Log the bundle as this run's pyfunc model, register it as `candidate`, and gate it."""
+        model_uri = self._log_model(bundle_dir, prepared)
+        return self._register(model_uri, metrics, fingerprint, prepared, bundle_dir)
+
+    def _register(self, model_uri: str, metrics: dict[str, Any], fingerprint: str, prepared, bundle_dir: Path) -> Registration:
         name, gate = self.model_name, self.spec.track.gate
         ensure_registered_model(self.client, name)
         version = self.client.create_model_version(
             name,
             source=model_uri,
             run_id=self.run_id,
-            tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": outcome.fingerprint},
+            tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": fingerprint},
             model_id=model_uri.removeprefix("models:/"),
         ).version
         version = str(version)
         set_alias(self.client, name, CANDIDATE, version)
-        decision = check_rules(gate, outcome.metrics)
+        decision = check_rules(gate, metrics)
         if gate.beat_champion:
             self._compare_with_champion(decision, prepared, bundle_dir)
         champion = set_alias(self.client, name, CHAMPION, version) if decision.passed else None
@@ -283,8 +292,8 @@ class Tracker:
                               values[1] if current is not None else None, current, rows)
 
 
-def open_tracker(spec: RunSpec, run_name: str) -> Tracker | None:
-    return Tracker(spec, run_name) if spec.track.enabled else None
+def open_tracker(spec: RunSpec, run_name: str, tags: dict[str, str] | None = None) -> Tracker | None:
+    return Tracker(spec, run_name, tags) if spec.track.enabled else None
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:

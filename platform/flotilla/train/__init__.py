@@ -34,6 +34,7 @@ from flotilla.train._loop import BUNDLE_DIR, consolidated_fp32_state_dict, forma
 from flotilla.train._precision import cpu_has_native_bf16, measured_peak_flops, resolve_precision
 
 __all__ = [
+    "DATA_CPUS",
     "TrainingOutcome",
     "check_cluster_fits",
     "checkpoint_problems",
@@ -42,6 +43,7 @@ __all__ = [
     "deepspeed_config",
     "ensure_ray",
     "format_epoch",
+    "local_copy",
     "measured_peak_flops",
     "optimizer_steps",
     "resolve_precision",
@@ -77,16 +79,19 @@ def ensure_ray(spec: RunSpec | None = None, **init_kwargs) -> None:
     share the machine's cores). `platform/flotilla` travels to every worker as a runtime_env
     py_module, so a cluster runs the checkout as it is, without installing Flotilla on its nodes.
     """
-    if ray.is_initialized():
-        return
+    if not ray.is_initialized():
+        _init_ray(spec, init_kwargs)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
     if spec is not None and "address" not in init_kwargs and not _cluster_address():
         needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     ray.init(runtime_env={"py_modules": [PACKAGE_DIR]}, **init_kwargs)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
 
 
 def check_cluster_fits(spec: RunSpec) -> None:
@@ -109,14 +114,19 @@ def check_cluster_fits(spec: RunSpec) -> None:
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
-def run_training(spec: RunSpec) -> TrainingOutcome:
+def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: dict[str, str] | None = None) -> TrainingOutcome:
+    """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
+
+    `callbacks` are extra Ray Train `UserCallback`s (a Tune trial passes Tune's report callback);
+    `tracking_tags` are set on the run's MLflow run (a sweep links trials to its parent run).
+    """
     started = time.monotonic()
     t = spec.train
     run_name = t.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
     # What Ray Train gets: the URI as written, or the local path made absolute.
     storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
-    tracker = open_tracker(spec, run_name)  # checks the tracking URI before Ray starts
+    tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
     check_cluster_fits(spec)
 
@@ -153,7 +163,7 @@ def run_training(spec: RunSpec) -> TrainingOutcome:
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
-            callbacks=[tracker.callback()] if tracker is not None else None,
+            callbacks=([tracker.callback()] if tracker is not None else []) + list(callbacks),
         ),
         datasets={"train": prepared.train, "val": prepared.val},
     )

@@ -1,0 +1,63 @@
+"""The sweep's search space (YAML) as Ray Tune domains, and trial specs from sampled values."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from ray import tune
+
+from flotilla.config import RunSpec, TuneSpec, set_path, validate_spec
+
+RESOURCE_PATHS = ("train.num_workers", "train.cpus_per_worker", "train.gpus_per_worker")
+
+
+def tune_domains(t: TuneSpec) -> dict[str, Any]:
+    """`{"train.lr": {"loguniform": [a, b]}}` -> `{"train.lr": tune.loguniform(a, b)}`."""
+    domains = {}
+    for path, dim in t.space.items():
+        kind, arg = next(iter(dim.items()))
+        if kind == "loguniform":
+            domains[path] = tune.loguniform(*arg)
+        elif kind == "uniform":
+            domains[path] = tune.uniform(*arg)
+        elif kind == "randint":
+            domains[path] = tune.randint(arg[0], arg[1] + 1)  # Ray's upper end is exclusive; ours is not
+        elif kind == "grid" or (kind == "choice" and t.search == "grid"):
+            domains[path] = tune.grid_search(list(arg))
+        else:
+            domains[path] = tune.choice(list(arg))
+    return domains
+
+
+def trial_spec(base: RunSpec, values: dict[str, Any], **fixed: Any) -> RunSpec:
+    """The base spec with a trial's sampled values (dotted paths) and `fixed` overrides applied."""
+    raw = base.model_dump(mode="json", exclude={"tune"})
+    for path, value in {**values, **fixed}.items():
+        set_path(raw, path, value)
+    return validate_spec(raw, "trial spec")
+
+
+def largest_trial(base: RunSpec) -> RunSpec:
+    """The spec of the hungriest trial the space allows (most workers, CPUs and GPUs per worker)."""
+    values = {}
+    for path in RESOURCE_PATHS:
+        dim = base.tune.space.get(path)
+        if dim:
+            kind, arg = next(iter(dim.items()))
+            values[path] = max(arg)
+    return trial_spec(base, values)
+
+
+def concurrent_slots(base: RunSpec, cluster: dict[str, float], data_cpus: int) -> int:
+    """How many of the largest trials fit at once beside Ray Data's CPU."""
+    t = largest_trial(base).train
+    slots = math.floor((cluster.get("CPU", 0) - data_cpus) / (t.num_workers * t.cpus_per_worker))
+    if t.gpus_per_worker:
+        slots = min(slots, math.floor(cluster.get("GPU", 0) / (t.num_workers * t.gpus_per_worker)))
+    return max(1, slots)
+
+
+def space_values(config: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(config.get("space", {}))

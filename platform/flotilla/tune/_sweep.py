@@ -1,0 +1,312 @@
+"""A sweep: Ray Tune trials, each one ordinary Flotilla training run (`run_training`).
+
+The sweep driver owns a parent MLflow run; each trial's run is its child (tag
+`mlflow.parentRunId`). Trials report every epoch to Tune through Ray Train's
+`TuneReportCallback`, so ASHA stops them on the same per-epoch metric MLflow records. A trial's
+run name is derived from its Tune trial id, so a restored sweep resumes unfinished trials from
+their own checkpoints and continues their MLflow runs instead of opening new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+from mlflow import MlflowClient
+from mlflow.entities import Param, RunTag
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import BasicVariantGenerator
+
+from flotilla.config import RunSpec, spec_to_yaml
+from flotilla.data import filesystem_for, prepare_data
+from flotilla.errors import ClusterError, TrackingError
+from flotilla.track import Registration, Tracker, flatten, resolve_tracking_uri
+from flotilla.track._store import check_tracking_uri
+from flotilla.train import DATA_CPUS, check_cluster_fits, ensure_ray, run_training
+from flotilla.tune._plot import plot_sweep
+from flotilla.tune._space import concurrent_slots, largest_trial, trial_spec, tune_domains
+
+SWEEP_TAG, TRIAL_TAG, STOP_TAG = "flotilla.sweep", "flotilla.trial_id", "flotilla.stop_reason"
+HIGHER_IS_BETTER = ("val_accuracy", "train_accuracy", "samples_per_s", "tokens_per_s", "mfu")
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    run_name: str
+    values: dict[str, Any]
+    metric: float | None
+    epochs: int
+    status: str  # completed | early-stopped | errored
+    error: str = ""
+
+
+@dataclass
+class SweepOutcome:
+    name: str
+    metric: str
+    mode: str
+    trials: list[TrialRow] = field(default_factory=list)
+    best: TrialRow | None = None
+    parent_run_id: str | None = None
+    registration: Registration | None = None
+    tracking_uri: str | None = None
+
+    def table(self) -> str:
+        paths = sorted({p for row in self.trials for p in row.values})
+        header = ["trial", *paths, self.metric, "epochs", "status"]
+        rows = [
+            [row.run_name, *(_short(row.values.get(p)) for p in paths),
+             f"{row.metric:.4f}" if row.metric is not None else "-", str(row.epochs), row.status]
+            for row in self.trials
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def metric_and_mode(spec: RunSpec) -> tuple[str, str]:
+    t = spec.tune
+    if t.metric:
+        metric = t.metric
+    elif spec.model.kind == "gpt":
+        metric = "val_perplexity"
+    else:
+        metric = {"classification": "val_accuracy", "regression": "val_rmse"}.get(spec.data.task, "val_loss")
+    mode = t.mode or ("max" if metric in HIGHER_IS_BETTER else "min")
+    return metric, mode
+
+
+def run_sweep(spec: RunSpec) -> SweepOutcome:
+    if spec.tune is None:
+        raise TrackingError("the spec has no `tune` section; add one (see configs/digits_sweep.yaml)")
+    t = spec.tune
+    name = t.name or f"{spec.name}-sweep"
+    metric, mode = metric_and_mode(spec)
+    _, storage_root = filesystem_for(spec.train.storage_path, "train.storage_path")
+    storage = spec.train.storage_path.rstrip("/") if "://" in spec.train.storage_path else storage_root
+    uri = None
+    if spec.track.enabled:
+        uri, _ = resolve_tracking_uri(spec.track.uri)  # absolute: trials run in other directories
+        check_tracking_uri(uri)
+    ensure_ray(largest_trial(spec))
+    check_cluster_fits(largest_trial(spec))  # a trial that can never be placed is refused now
+    slots = t.max_concurrent_trials or concurrent_slots(spec, ray.cluster_resources(), DATA_CPUS)
+
+    parent = _ParentRun(spec, name, uri) if uri else None
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            _trial,
+            base=spec.model_dump(mode="json"),
+            sweep=name,
+            runs_storage=f"{storage}/{name}-runs",
+            tracking_uri=uri,
+            parent_run_id=parent.run_id if parent else None,
+        ),
+        # The trial function only drives its TorchTrainer; the workers reserve the CPUs. A CPU
+        # share here would leave Ray Data's one-CPU tasks without a whole free CPU, so the trial
+        # asks for memory only (Ray refuses an empty request).
+        {"CPU": 0, "memory": 256 * 1024**2},
+    )
+    experiment = f"{storage}/{name}"
+    if tune.Tuner.can_restore(experiment):
+        print(f"[{name}] resuming the sweep in {experiment}", flush=True)
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"space": tune_domains(t)},
+            tune_config=tune.TuneConfig(
+                metric=metric,
+                mode=mode,
+                search_alg=_searcher(t, metric, mode, slots),
+                scheduler=_scheduler(spec),
+                num_samples=t.num_samples,
+                max_concurrent_trials=slots,
+                time_budget_s=t.time_budget_s,
+                trial_dirname_creator=_trial_dirname,
+            ),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=storage,
+                failure_config=tune.FailureConfig(max_failures=t.trial_max_failures),
+                verbose=1,
+            ),
+        )
+    results = tuner.fit()
+    outcome = SweepOutcome(name, metric, mode, parent_run_id=parent.run_id if parent else None, tracking_uri=uri)
+    for result in results:
+        outcome.trials.append(_row(result, spec, name, metric))
+    outcome.trials.sort(key=lambda r: r.run_name)
+    done = [r for r in outcome.trials if r.status == "completed" and r.metric is not None]
+    if done:
+        outcome.best = (max if mode == "max" else min)(done, key=lambda r: r.metric)
+    if parent:
+        parent.finish(outcome, spec, f"{storage}/{name}-runs")
+    return outcome
+
+
+def _trial(config: dict[str, Any], base: dict, sweep: str, runs_storage: str, tracking_uri: str | None,
+           parent_run_id: str | None) -> None:
+    """One trial: the ordinary training run, with Tune's report callback and a child MLflow run."""
+    ensure_ray()  # connected already; quiets Ray Data's progress output in this process too
+    trial_id = tune.get_context().get_trial_id()
+    fixed = {"train.run_name": f"{sweep}-{trial_id}", "train.storage_path": runs_storage, "track.register_model": False}
+    if tracking_uri:
+        fixed["track.uri"] = tracking_uri
+    spec = trial_spec(RunSpec.model_validate(base), config["space"], **fixed)
+    tags = {SWEEP_TAG: sweep, TRIAL_TAG: trial_id}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_training(spec, callbacks=[TuneReportCallback()], tracking_tags=tags)
+
+
+def _searcher(t, metric: str, mode: str, slots: int):
+    if t.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(metric=metric, mode=mode, seed=t.seed)  # Tune limits it to `slots`
+    # Tune ignores max_concurrent_trials for a SearchAlgorithm passed in; it is set here instead.
+    return BasicVariantGenerator(random_state=t.seed, max_concurrent=slots)
+
+
+def _scheduler(spec: RunSpec):
+    t = spec.tune
+    if t.scheduler == "fifo":
+        return FIFOScheduler()
+    # The time axis is the epoch a trial reports (not Tune's iteration count), so a trial that
+    # resumes from a checkpoint after a restore sits on the same rung it left.
+    # max_t is one past the last epoch: ASHA stops a trial that reaches max_t, which would cut
+    # a finishing trial off between its last report and writing its bundle and MLflow records.
+    return ASHAScheduler(time_attr="epoch", max_t=spec.train.epochs + 1, grace_period=t.grace_period,
+                         reduction_factor=t.reduction_factor)
+
+
+def _row(result, spec: RunSpec, sweep: str, metric: str) -> TrialRow:
+    config = result.config or {}
+    values = config.get("space", {})
+    trial_id = _trial_id(result)
+    m = result.metrics or {}
+    epochs_wanted = int(values.get("train.epochs", spec.train.epochs))
+    epochs = int(m.get("epoch", 0) or 0)
+    if result.error is not None:
+        status = "errored"
+    elif epochs >= epochs_wanted:
+        status = "completed"
+    else:
+        status = "early-stopped"
+    value = m.get(metric)
+    return TrialRow(trial_id, f"{sweep}-{trial_id}", values, float(value) if value is not None else None, epochs, status,
+                    _first_line(result.error) if result.error is not None else "")
+
+
+def _trial_dirname(trial) -> str:
+    return trial.trial_id  # so a result's directory names its trial, reported or not
+
+
+def _trial_id(result) -> str:
+    return (result.metrics or {}).get("trial_id") or Path(result.path).name
+
+
+class _ParentRun:
+    """The sweep's own MLflow run: found again by name when the sweep is resumed."""
+
+    def __init__(self, spec: RunSpec, name: str, uri: str):
+        self.client = MlflowClient(uri)
+        self.uri, self.name = uri, name
+        tracker = Tracker(spec.model_copy(update={"tune": None}), name)
+        experiment_id = tracker._experiment_id()
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{name}' and tags.`flotilla.role` = 'sweep'",
+            max_results=1,
+        )
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(experiment_id, run_name=name, tags={SWEEP_TAG: name, "flotilla.role": "sweep"})
+            self.run_id = run.info.run_id
+            params = flatten(spec.model_dump(mode="json"))
+            params = [Param(k, v) for k, v in params.items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+            with tempfile.TemporaryDirectory(prefix="flotilla-sweep-") as tmp:
+                path = Path(tmp) / "sweep.yaml"
+                path.write_text(spec_to_yaml(spec))
+                self.client.log_artifact(self.run_id, str(path))
+        print(f"[{name}] MLflow parent run {self.run_id} at {uri}", flush=True)
+
+    def finish(self, outcome: SweepOutcome, spec: RunSpec, runs_storage: str) -> None:
+        experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        children = {
+            r.data.tags.get(TRIAL_TAG): r
+            for r in self.client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{self.run_id}'")
+        }
+        for row in outcome.trials:
+            child = children.get(row.trial_id)
+            if child is None:
+                continue
+            self.client.set_tag(child.info.run_id, STOP_TAG, row.status + (f": {row.error}" if row.error else ""))
+            status = {"completed": "FINISHED", "early-stopped": "KILLED", "errored": "FAILED"}[row.status]
+            if child.info.status != status:
+                self.client.set_terminated(child.info.run_id, status)
+        counts = {s: sum(r.status == s for r in outcome.trials) for s in ("completed", "early-stopped", "errored")}
+        tags = [RunTag(f"flotilla.trials_{k.replace('-', '_')}", str(v)) for k, v in counts.items()]
+        with tempfile.TemporaryDirectory(prefix="flotilla-sweep-") as tmp:
+            (Path(tmp) / "trials.txt").write_text(outcome.table() + "\n")
+            self.client.log_artifact(self.run_id, str(Path(tmp) / "trials.txt"))
+            plot = plot_sweep(outcome, Path(tmp) / "sweep.png")
+            self.client.log_artifact(self.run_id, str(plot))
+        if outcome.best is not None:
+            best = outcome.best
+            tags += [RunTag("flotilla.best_trial", best.run_name), RunTag("flotilla.best_metric", str(best.metric))]
+            self.client.log_batch(self.run_id, tags=tags)
+            self.client.log_metric(self.run_id, f"best_{outcome.metric}", best.metric)
+            if spec.track.register_model:
+                outcome.registration = self._register_best(outcome, spec, runs_storage, children.get(best.trial_id))
+        else:
+            self.client.log_batch(self.run_id, tags=tags)
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+    def _register_best(self, outcome: SweepOutcome, spec: RunSpec, runs_storage: str, child) -> Registration | None:
+        if child is None:
+            return None
+        from flotilla.train import local_copy
+
+        best = outcome.best
+        best_spec = trial_spec(spec, best.values, **{"train.run_name": best.run_name, "track.uri": self.uri})
+        fs, root = filesystem_for(runs_storage, "train.storage_path")
+        prepared = prepare_data(best_spec)  # for the input example and the champion comparison
+        tracker = Tracker(best_spec, best.run_name)
+        tracker.run_id = child.info.run_id
+        bundle = f"{root}/{best.run_name}/bundle"
+        if fs.get_file_info(bundle).type == pafs.FileType.NotFound:
+            # Stopped between its last report and copying the bundle out: the final checkpoint has it.
+            finals = fs.get_file_info(pafs.FileSelector(f"{root}/{best.run_name}", allow_not_found=True))
+            checkpoints = sorted(i.path for i in finals if i.base_name.startswith("checkpoint_epoch"))
+            bundle = f"{checkpoints[-1]}/bundle" if checkpoints else bundle
+        with local_copy(fs, bundle) as bundle_dir:
+            metrics = json.loads((bundle_dir / "metrics.json").read_text())
+            registration = tracker.register_bundle(bundle_dir, metrics["final"], prepared.fingerprint, prepared)
+        self.client.set_tag(self.run_id, "flotilla.registered_version", f"{registration.model_name}/{registration.version}")
+        return registration
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(error).__name__
