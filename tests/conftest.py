@@ -32,6 +32,8 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    ensure_ray(num_cpus=3, include_dashboard=False, address="local")
+    # The dashboard stays on: Ray Train's placement-group cleaner asks its state API whether a
+    # controller died (a trial stopped by ASHA), and without it the stopped run's CPUs leak.
+    ensure_ray(num_cpus=3, address="local")
     yield ray
     ray.shutdown()

@@ -10,6 +10,7 @@ and the transforms all run as Ray Data tasks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from flotilla.data._preprocess import (
     to_json,
 )
 from flotilla.data._sources import BUILTIN_SOURCES, ResolvedSource, cache_dir, filesystem_for, resolve_source
-from flotilla.errors import DataError
+from flotilla.errors import ClusterError, DataError
 
 __all__ = [
     "FEATURES",
@@ -84,6 +85,7 @@ def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> p
 
 
 def prepare_data(spec: RunSpec) -> PreparedData:
+    wait_for_data_cpu()
     d = spec.data
     text = isinstance(spec.model, GPTSpec)
     source = resolve_source(d.source, d.format, d.max_bytes)
@@ -175,6 +177,22 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         source=source,
         val_raw=val_raw,
     )
+
+
+def wait_for_data_cpu(timeout_s: float = 120.0) -> None:
+    """Ray Data's tasks each need a whole free CPU; without one they wait forever. Wait a while
+    (a stopped run's workers release theirs within seconds), then say what holds them."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < 1.0:
+        if time.monotonic() > deadline:
+            total = ray.cluster_resources().get("CPU", 0.0)
+            free = ray.available_resources().get("CPU", 0.0)
+            raise ClusterError(
+                f"Ray Data needs one free CPU to read and preprocess, but only {free:g} of {total:g} have been free "
+                f"for {timeout_s:.0f}s; other runs on the cluster hold the rest (see `ray status`). Placement groups "
+                "of stopped training runs are released by Ray Train's cleaner, which needs the Ray dashboard."
+            )
+        time.sleep(0.5)
 
 
 # Preprocessed size over input size: byte windows hold one int64 per input byte; tabular

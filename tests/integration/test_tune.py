@@ -1,0 +1,127 @@
+"""Sweeps on a local Ray: ASHA early stopping, parent/child MLflow runs, and a killed sweep
+driver resumed by running the same command again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from flotilla.config import load_spec
+from flotilla.track import CANDIDATE
+from flotilla.tune import run_sweep
+
+from ._helpers import ROOT, metric_steps, mlflow_runs, store_uri
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SWEEP = ROOT / "configs" / "digits_sweep.yaml"
+
+
+def _children(client, runs, sweep: str):
+    return [r for r in runs if r.data.tags.get("flotilla.sweep") == sweep and r.data.tags.get("flotilla.role") != "sweep"]
+
+
+def test_asha_sweep_stops_weak_trials_and_registers_the_best(ray_cluster, tmp_path):
+    # One trial at a time keeps ASHA's decisions independent of which trial reports first.
+    spec = load_spec(SWEEP, [f"train.storage_path={tmp_path}", f"track.uri={store_uri(tmp_path)}", "train.epochs=3",
+                             "tune.max_concurrent_trials=1"])
+    outcome = run_sweep(spec)
+    print(outcome.table())
+    assert len(outcome.trials) == 4
+    statuses = [t.status for t in outcome.trials]
+    assert "early-stopped" in statuses and "completed" in statuses, statuses
+    assert all(t.epochs < 3 for t in outcome.trials if t.status == "early-stopped")
+    best = outcome.best
+    done = [t for t in outcome.trials if t.status == "completed"]
+    assert best.metric == max(t.metric for t in done)
+
+    client, runs = mlflow_runs(outcome.tracking_uri)
+    (parent,) = [r for r in runs if r.data.tags.get("flotilla.role") == "sweep"]
+    children = _children(client, runs, outcome.name)
+    assert len(children) == 4
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
+    by_name = {c.info.run_name: c for c in children}
+    for trial in outcome.trials:
+        child = by_name[trial.run_name]
+        assert child.data.tags["flotilla.stop_reason"] == trial.status
+        assert metric_steps(client, child.info.run_id, "val_accuracy") == list(range(1, trial.epochs + 1))
+        assert child.data.params["train.lr"] == json.dumps(trial.values["train.lr"])
+        assert child.info.status == {"completed": "FINISHED", "early-stopped": "KILLED"}[trial.status]
+    # The best trial's metric is its child run's final metric.
+    assert by_name[best.run_name].data.metrics["val_accuracy"] == pytest.approx(best.metric)
+    assert parent.data.tags["flotilla.best_trial"] == best.run_name
+    assert {"sweep.png", "trials.txt", "sweep.yaml"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    # The best trial's bundle is the registered candidate, linked to its child run.
+    version = client.get_model_version("digits", outcome.registration.version)
+    assert CANDIDATE in version.aliases and version.run_id == by_name[best.run_name].info.run_id
+
+
+def _alive(name: str) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and p.info["cmdline"][0].startswith(name)]
+
+
+def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluster, tmp_path):
+    uri = store_uri(tmp_path)
+    cmd = [
+        sys.executable, str(ROOT / "tune" / "sweep.py"), "--config", str(SWEEP),
+        "--set", f"train.storage_path={tmp_path}", "--set", f"track.uri={uri}", "--set", "tune.name=restorable",
+        "--set", "tune.scheduler=fifo", "--set", "tune.num_samples=2", "--set", "tune.max_concurrent_trials=1",
+        "--set", "train.epochs=3", "--set", "tune.space={train.lr: {choice: [0.003, 0.004]}}",
+    ]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    runs_dir = tmp_path / "restorable-runs"
+    finished = second_run = None
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and first.poll() is None:
+            # Kill once Tune has recorded the first trial as finished and the second trial has a
+            # registered epoch-1 checkpoint: one finished trial, one to resume.
+            states = list((tmp_path / "restorable").glob("experiment_state-*.json"))
+            if states and "TERMINATED" in states[0].read_text():
+                snapshots = [p for p in runs_dir.glob("*/checkpoint_manager_snapshot.json")
+                             if "checkpoint_epoch0001" in p.read_text() and not (p.parent / "bundle").exists()]
+                bundles = list(runs_dir.glob("*/bundle"))
+                if bundles and snapshots:
+                    finished, second_run = bundles[0].parent, snapshots[0].parent
+                    break
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        log.close()
+    assert finished is not None, (tmp_path / "first.log").read_text()[-3000:]
+    killed_at = time.time()
+    finished_mtime = (finished / "bundle" / "metrics.json").stat().st_mtime
+    # The dead driver's trial actors and training workers go with it.
+    deadline = time.monotonic() + 120
+    while (_alive("ray::_trial") or _alive("ray::RayTrainWorker")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming the sweep" in second.stdout + second.stderr
+    table = [line.split() for line in second.stdout.splitlines() if line.startswith("restorable-")]
+    assert len(table) == 2 and all(row[-1] == "completed" for row in table), second.stdout[-2000:]
+
+    # The finished trial was not run again; the interrupted one resumed from its checkpoint.
+    assert (finished / "bundle" / "metrics.json").stat().st_mtime == finished_mtime < killed_at
+    history = json.loads((second_run / "bundle" / "metrics.json").read_text())["history"]
+    assert [m["epoch"] for m in history] == [1, 2, 3]
+    assert any("resumed_from_step" in m for m in history), history
+
+    client, runs = mlflow_runs(uri)
+    assert len([r for r in runs if r.data.tags.get("flotilla.role") == "sweep"]) == 1
+    children = _children(client, runs, "restorable")
+    assert sorted(c.info.run_name for c in children) == sorted({finished.name, second_run.name})
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert metric_steps(client, child.info.run_id) == [1, 2, 3]
