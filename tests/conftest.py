@@ -8,6 +8,11 @@ import pytest
 
 # Tests write built-in samples to a cache of their own, never the user's.
 os.environ.setdefault("FLOTILLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "flotilla"))
+# ...and track to a store of their own (tests that check tracking pass an explicit track.uri).
+os.environ.setdefault(
+    "MLFLOW_TRACKING_URI",
+    "sqlite:///" + os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "mlflow", "mlflow.db")),
+)
 
 
 @pytest.fixture(autouse=True)

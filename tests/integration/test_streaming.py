@@ -47,6 +47,7 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
             "data.source={data}", "data.label=y", "data.scaling=none", "data.val_fraction=0.02",
             "model.hidden=[16]", "train.epochs=1", "train.batch_size=2048", "train.zero_stage=1",
             "train.precision=fp32", "train.storage_path={tmp_path / 'runs'}", "train.run_name=big",
+            "track.enabled=false",
         ])
         outcome = run_training(spec)
         print("RESULT", json.dumps(outcome.metrics))

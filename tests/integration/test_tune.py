@@ -125,3 +125,37 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
     for child in children:
         assert child.info.status == "FINISHED"
         assert metric_steps(client, child.info.run_id) == [1, 2, 3]
+
+
+def test_an_erroring_trial_is_retried_and_reported_without_killing_the_sweep(ray_cluster, tmp_path):
+    missing = tmp_path / "missing.parquet"
+    spec = load_spec(SWEEP, [
+        f"train.storage_path={tmp_path}", f"track.uri={store_uri(tmp_path)}", "train.epochs=1", "tune.name=flaky",
+        "tune.scheduler=fifo", "tune.num_samples=1", "tune.max_concurrent_trials=1", "tune.trial_max_failures=1",
+        f"tune.space={{data.source: {{grid: [digits, '{missing}']}}}}", "track.gate.require=[]",
+    ])
+    outcome = run_sweep(spec)
+    by_source = {t.values["data.source"]: t for t in outcome.trials}
+    assert by_source["digits"].status == "completed"
+    failed = by_source[str(missing)]
+    assert failed.status == "errored" and "does not exist" in failed.error, failed.error
+    assert outcome.best is by_source["digits"] and outcome.registration is not None
+    client, runs = mlflow_runs(outcome.tracking_uri)
+    (parent,) = [r for r in runs if r.data.tags.get("flotilla.role") == "sweep"]
+    assert parent.data.tags["flotilla.trials_errored"] == "1" and parent.data.tags["flotilla.trials_completed"] == "1"
+    # The failed trial has its child run too (it failed before training opened one), saying why.
+    (child,) = [r for r in runs if r.info.run_name == failed.run_name]
+    assert child.info.status == "FAILED" and child.data.tags["flotilla.stop_reason"].startswith("errored: ")
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_a_sweep_whose_largest_trial_cannot_fit_is_refused_up_front(ray_cluster, tmp_path):
+    from flotilla.errors import ClusterError
+
+    spec = load_spec(SWEEP, [f"train.storage_path={tmp_path}", f"track.uri={store_uri(tmp_path)}",
+                             "tune.space={train.num_workers: {choice: [1, 8]}}"])
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"train.num_workers=8 x train.cpus_per_worker=1 needs 8 CPUs"):
+        run_sweep(spec)
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "digits-sweep").exists(), "no trial may start"

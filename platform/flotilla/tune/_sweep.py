@@ -253,8 +253,8 @@ class _ParentRun:
         }
         for row in outcome.trials:
             child = children.get(row.trial_id)
-            if child is None:
-                continue
+            if child is None:  # it failed before its training run opened one
+                child = self._child_for_failed_trial(experiment_id, row, spec)
             self.client.set_tag(child.info.run_id, STOP_TAG, row.status + (f": {row.error}" if row.error else ""))
             status = {"completed": "FINISHED", "early-stopped": "KILLED", "errored": "FAILED"}[row.status]
             if child.info.status != status:
@@ -276,6 +276,15 @@ class _ParentRun:
         else:
             self.client.log_batch(self.run_id, tags=tags)
         self.client.set_terminated(self.run_id, "FINISHED")
+
+    def _child_for_failed_trial(self, experiment_id: str, row: TrialRow, spec: RunSpec):
+        tags = {"flotilla.run_name": row.run_name, SWEEP_TAG: self.name, TRIAL_TAG: row.trial_id,
+                "mlflow.parentRunId": self.run_id}
+        child = self.client.create_run(experiment_id, run_name=row.run_name, tags=tags)
+        params = [Param(k, v) for k, v in flatten(trial_spec(spec, row.values).model_dump(mode="json")).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(child.info.run_id, params=params[i : i + 100])
+        return self.client.get_run(child.info.run_id)
 
     def _register_best(self, outcome: SweepOutcome, spec: RunSpec, runs_storage: str, child) -> Registration | None:
         if child is None:
