@@ -10,7 +10,7 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: demo test test-unit test-integration install clean benchmark
+.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ test-unit: $(VENV)/.installed
 
 benchmark: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py
+
+benchmark-tune: $(VENV)/.installed
+	$(PY) benchmarks/tune_overhead.py --trials 4
 
 clean:
 	rm -rf runs mlruns .pytest_cache
