@@ -16,7 +16,7 @@ import pytest
 from flotilla import load_bundle, run_training
 from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten
 
-from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs
+from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, mlflow_runs
 
 pytestmark = pytest.mark.integration
 

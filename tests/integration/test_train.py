@@ -61,7 +61,7 @@ def test_gpt_trains_with_activation_checkpointing(ray_cluster, tmp_path):
     import pandas as pd
 
     mlflow.set_tracking_uri(outcome.tracking_uri)
-    model = mlflow.pyfunc.load_model(f"models:/pycode-gpt@candidate")
+    model = mlflow.pyfunc.load_model("models:/pycode-gpt@candidate")
     out = model.predict(pd.DataFrame({"prompt": ["def "]}), params={"max_tokens": 20, "temperature": 0.8, "top_k": 20, "seed": 0})
     assert out["text"].tolist() == [text]
     client, runs = mlflow_runs(outcome.tracking_uri, "pycode-gpt")

@@ -18,7 +18,7 @@ from flotilla.track._registry import (
     rollback_champion,
     set_alias,
 )
-from flotilla.track._run import EpochMetricsLogger, Registration, Tracker, flatten, open_tracker
+from flotilla.track._run import EpochMetricsLogger, Registration, Tracker, flatten, log_params, open_tracker
 from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "check_tracking_uri",
     "evaluate_bundles",
     "flatten",
+    "log_params",
     "open_tracker",
     "resolve_tracking_uri",
     "rollback_champion",

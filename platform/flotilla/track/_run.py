@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import pandas as pd
 import ray.train
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
-from flotilla.config import PRIMARY_METRIC, RunSpec, spec_to_yaml
+from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.errors import BundleError, TrackingError
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
@@ -185,8 +186,7 @@ class Tracker:
         before = self.client.get_run(self.run_id).data.params
         new = [Param(k, v) for k, v in params.items() if k not in before]
         changed = {k: f"{before[k]} -> {v}" for k, v in params.items() if k in before and before[k] != v}
-        for i in range(0, len(new), 100):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, params=new[i : i + 100])
+        log_params(self.client, self.run_id, new)
         if changed:  # params are immutable in MLflow; the change is kept as tags
             self.client.log_batch(self.run_id, tags=[RunTag(f"flotilla.changed.{k}", v) for k, v in changed.items()])
 
@@ -214,7 +214,7 @@ class Tracker:
 
         bundle = load_bundle(bundle_dir)
         if bundle.task == "lm":
-            example = _pd().DataFrame({"prompt": ["def "]})
+            example = pd.DataFrame({"prompt": ["def "]})
             params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
         else:
             # Features as float64, the type the bundle scales them in; MLflow's schema then
@@ -296,6 +296,11 @@ def open_tracker(spec: RunSpec, run_name: str, tags: dict[str, str] | None = Non
     return Tracker(spec, run_name, tags) if spec.track.enabled else None
 
 
+def log_params(client: MlflowClient, run_id: str, params: list[Param]) -> None:
+    for i in range(0, len(params), 100):  # MLflow's batch limit
+        client.log_batch(run_id, params=params[i : i + 100])
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """`{"train": {"lr": 0.001}}` -> `{"train.lr": "0.001"}`; lists and nulls as JSON."""
     out: dict[str, str] = {}
@@ -348,9 +353,3 @@ def _pin(dist: str) -> str:
         return f"{dist}=={metadata.version(dist)}"
     except metadata.PackageNotFoundError:
         return dist
-
-
-def _pd():
-    import pandas
-
-    return pandas

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -57,7 +56,3 @@ def concurrent_slots(base: RunSpec, cluster: dict[str, float], data_cpus: int) -
     if t.gpus_per_worker:
         slots = min(slots, math.floor(cluster.get("GPU", 0) / (t.num_workers * t.gpus_per_worker)))
     return max(1, slots)
-
-
-def space_values(config: dict[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(config.get("space", {}))

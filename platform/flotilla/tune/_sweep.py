@@ -10,9 +10,7 @@ their own checkpoints and continues their MLflow runs instead of opening new one
 from __future__ import annotations
 
 import json
-import os
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,8 @@ from ray.tune.search import BasicVariantGenerator
 
 from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
-from flotilla.errors import ClusterError, TrackingError
-from flotilla.track import Registration, Tracker, flatten, resolve_tracking_uri
+from flotilla.errors import TrackingError
+from flotilla.track import Registration, Tracker, flatten, log_params, resolve_tracking_uri
 from flotilla.track._store import check_tracking_uri
 from flotilla.train import DATA_CPUS, check_cluster_fits, ensure_ray, run_training
 from flotilla.tune._plot import plot_sweep
@@ -236,9 +234,7 @@ class _ParentRun:
             run = self.client.create_run(experiment_id, run_name=name, tags={SWEEP_TAG: name, "flotilla.role": "sweep"})
             self.run_id = run.info.run_id
             params = flatten(spec.model_dump(mode="json"))
-            params = [Param(k, v) for k, v in params.items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(self.run_id, params=params[i : i + 100])
+            log_params(self.client, self.run_id, [Param(k, v) for k, v in params.items()])
             with tempfile.TemporaryDirectory(prefix="flotilla-sweep-") as tmp:
                 path = Path(tmp) / "sweep.yaml"
                 path.write_text(spec_to_yaml(spec))
@@ -281,9 +277,8 @@ class _ParentRun:
         tags = {"flotilla.run_name": row.run_name, SWEEP_TAG: self.name, TRIAL_TAG: row.trial_id,
                 "mlflow.parentRunId": self.run_id}
         child = self.client.create_run(experiment_id, run_name=row.run_name, tags=tags)
-        params = [Param(k, v) for k, v in flatten(trial_spec(spec, row.values).model_dump(mode="json")).items()]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(child.info.run_id, params=params[i : i + 100])
+        params = flatten(trial_spec(spec, row.values).model_dump(mode="json"))
+        log_params(self.client, child.info.run_id, [Param(k, v) for k, v in params.items()])
         return self.client.get_run(child.info.run_id)
 
     def _register_best(self, outcome: SweepOutcome, spec: RunSpec, runs_storage: str, child) -> Registration | None:
