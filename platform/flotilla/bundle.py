@@ -65,6 +65,15 @@ class InferenceBundle:
     def task(self) -> str:
         return self.schema["task"]
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> "InferenceBundle":
+        """Move the model (serving on a GPU); inputs follow it."""
+        self.model.to(device)
+        return self
+
     def transform(self, rows: pd.DataFrame | list[dict[str, Any]]) -> torch.Tensor:
         """Raw rows → the model's input tensor, with the preprocessors fitted at training time."""
         if self.task == "lm":
@@ -83,7 +92,7 @@ class InferenceBundle:
 
     @torch.no_grad()
     def predict(self, rows: pd.DataFrame | list[dict[str, Any]]) -> dict[str, list]:
-        x = self.transform(rows)
+        x = self.transform(rows).to(self.device)
         out = self.model(x)
         if self.task == "classification":
             probs = torch.softmax(out.float(), dim=-1)
@@ -102,7 +111,7 @@ class InferenceBundle:
         ids = ByteWindows.encode(prompt) or [ord("\n")]
         pending = b""
         for _ in range(max_tokens):
-            logits = self.model(torch.tensor([ids[-context:]]))[0, -1].float()
+            logits = self.model(torch.tensor([ids[-context:]], device=self.device))[0, -1].float().cpu()
             if temperature <= 0:
                 nxt = int(logits.argmax())
             else:

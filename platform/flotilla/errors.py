@@ -62,3 +62,7 @@ class TrainingError(FlotillaError):
 
 class TrackingError(FlotillaError):
     """The MLflow tracking store or model registry cannot be used as configured."""
+
+
+class ServeError(FlotillaError):
+    """A model cannot be deployed or served as asked (unknown alias, wrong model kind, ...)."""

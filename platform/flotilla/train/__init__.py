@@ -48,6 +48,7 @@ __all__ = [
     "optimizer_steps",
     "resolve_precision",
     "run_training",
+    "started_local_ray",
     "train_loop_per_worker",
 ]
 
@@ -86,7 +87,19 @@ def ensure_ray(spec: RunSpec | None = None, **init_kwargs) -> None:
     ctx.print_on_execution_start = False
 
 
+_STARTED_LOCAL = False
+
+
+def started_local_ray() -> bool:
+    """True when this process started its own local Ray (it ends with the process)."""
+    return _STARTED_LOCAL and ray.is_initialized()
+
+
 def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
+    global _STARTED_LOCAL
+    _STARTED_LOCAL = init_kwargs.get("address") == "local" or (
+        "address" not in init_kwargs and not _cluster_address()
+    )
     if spec is not None and "address" not in init_kwargs and not _cluster_address():
         needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))

@@ -1,0 +1,28 @@
+"""Serving with Ray Serve: registered models as autoscaling HTTP endpoints.
+
+    plan = plan_deployment(spec)      # the spec's `serve` section; aliases resolved to versions once
+    endpoint = deploy(plan)           # POST {endpoint.url}/predict  or  {endpoint.url}/generate
+    build_application(plan)           # the Serve application, for `serve run` / `serve deploy` builders
+"""
+
+from flotilla.serve._deploy import DeploymentPlan, Endpoint, build_application, deploy, plan_deployment, sample_request
+from flotilla.serve._routing import TrafficSplit, sticky_point
+from flotilla.serve._schemas import GenerateRequest, PredictRequest
+from flotilla.serve._server import VERSION_HEADER, Classifier, Generator, load_version
+
+__all__ = [
+    "VERSION_HEADER",
+    "Classifier",
+    "DeploymentPlan",
+    "Endpoint",
+    "GenerateRequest",
+    "Generator",
+    "PredictRequest",
+    "TrafficSplit",
+    "build_application",
+    "deploy",
+    "load_version",
+    "plan_deployment",
+    "sample_request",
+    "sticky_point",
+]

@@ -1,0 +1,211 @@
+"""From a run spec's `serve` section to a running Ray Serve application.
+
+    plan = plan_deployment(spec)            # aliases → versions, once; checks the model kind
+    endpoint = deploy(plan)                 # serve.run(...), in place when the app already runs
+    endpoint.url                            # http://127.0.0.1:8000/v1/models/digits
+
+Aliases in `serve.traffic` and `serve.shadow` are resolved against the registry here, in the
+driver, so every replica serves exactly the versions printed at deploy time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flotilla.config import RunSpec, ServeSpec
+from flotilla.errors import ServeError, TrackingError
+from flotilla.serve._server import Classifier, Generator, replica_limits
+
+APP_KINDS = {"classifier": Classifier, "generator": Generator}
+
+
+@dataclass
+class DeploymentPlan:
+    model: str
+    kind: str  # classifier | generator
+    tracking_uri: str
+    serve: ServeSpec
+    traffic: dict[str, float]  # version -> weight
+    aliases: dict[str, list[str]]  # version -> the aliases it was named by
+    shadow: dict[str, Any] | None = None  # {"version": "4", "percent": 10.0}
+
+    @property
+    def route_prefix(self) -> str:
+        return self.serve.route_prefix or f"/v1/models/{self.model}"
+
+    def user_config(self) -> dict[str, Any]:
+        """What a replica may change in place (no restart): the split, shadow and batching."""
+        return {
+            "traffic": self.traffic,
+            "aliases": self.aliases,
+            "shadow": self.shadow,
+            "max_batch_size": self.serve.batching.max_batch_size,
+            "batch_wait_timeout_s": self.serve.batching.batch_wait_timeout_s,
+        }
+
+    def describe(self) -> str:
+        total = sum(self.traffic.values())
+        parts = [
+            f"v{v} ({', '.join(self.aliases.get(v, [])) or 'by number'}) {100 * w / total:g}%"
+            for v, w in self.traffic.items()
+        ]
+        shadow = f"; shadow v{self.shadow['version']} on {self.shadow['percent']:g}% of requests" if self.shadow else ""
+        return f"{self.model}: {', '.join(parts)}{shadow}"
+
+
+@dataclass
+class Endpoint:
+    plan: DeploymentPlan
+    url: str
+    app_name: str
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None) -> DeploymentPlan:
+    """Resolve the spec's traffic targets against the registry and decide the app kind."""
+    from mlflow import MlflowClient
+
+    from flotilla.track import alias_version, check_tracking_uri, resolve_tracking_uri
+
+    name = model or spec.serve.model or spec.track.model_name or spec.name
+    uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
+    check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    try:
+        client.get_registered_model(name)
+    except Exception:
+        raise ServeError(
+            f"no registered model {name!r} in {uri}; train one first (python pipelines/train.py --config ...) "
+            f"or name another with --set serve.model=NAME"
+        ) from None
+
+    def resolve(target: str, where: str) -> str:
+        if target.isdigit():
+            try:
+                client.get_model_version(name, target)
+            except Exception:
+                raise ServeError(f"{where}: {name} has no version {target}") from None
+            return target
+        version = alias_version(client, name, target)
+        if version is None:
+            raise ServeError(
+                f"{where}: {name} has no version with alias `{target}`; set one with "
+                f"python pipelines/promote.py --model {name} --version N --alias {target}"
+            )
+        return version
+
+    traffic: dict[str, float] = {}
+    aliases: dict[str, list[str]] = {}
+    for target, weight in spec.serve.traffic.items():
+        version = resolve(target, f"serve.traffic.{target}")
+        traffic[version] = traffic.get(version, 0.0) + weight
+        if not target.isdigit():
+            aliases.setdefault(version, []).append(target)
+    traffic = {v: w for v, w in traffic.items() if w > 0}
+    if not traffic:
+        raise ServeError(f"serve.traffic gives no version a positive weight: {spec.serve.traffic}")
+    shadow = None
+    if spec.serve.shadow is not None:
+        version = resolve(spec.serve.shadow.target, "serve.shadow.target")
+        if not spec.serve.shadow.target.isdigit():
+            aliases.setdefault(version, []).append(spec.serve.shadow.target)
+        shadow = {"version": version, "percent": spec.serve.shadow.percent}
+    kinds = {v: _version_kind(client, name, v) for v in set(traffic) | ({shadow["version"]} if shadow else set())}
+    if len(set(kinds.values())) > 1:
+        raise ServeError(f"{name}: the versions to serve are of different kinds {kinds}; one endpoint serves one kind")
+    return DeploymentPlan(name, next(iter(kinds.values())), uri, spec.serve, traffic, aliases, shadow)
+
+
+def _version_kind(client, name: str, version: str) -> str:
+    """`generator` for a language model (its signature takes a `prompt`), else `classifier`."""
+    import mlflow
+    from mlflow.models import get_model_info
+
+    mlflow.set_tracking_uri(client.tracking_uri)
+    mv = client.get_model_version(name, version)
+    try:
+        info = get_model_info(f"models:/{name}/{version}")
+    except Exception as e:
+        raise TrackingError(f"{name} v{version} ({mv.source}) has no readable MLflow model: {e}") from None
+    inputs = info.signature.inputs.input_names() if info.signature is not None else []
+    return "generator" if inputs == ["prompt"] else "classifier"
+
+
+def build_application(plan: DeploymentPlan):
+    """The Ray Serve application for a plan (what `serve run` / `serve deploy` builders return)."""
+    s = plan.serve
+    a = s.autoscaling
+    deployment = APP_KINDS[plan.kind].options(
+        name=f"{plan.kind}",
+        ray_actor_options={"num_cpus": s.replica.num_cpus, "num_gpus": s.replica.num_gpus},
+        autoscaling_config={
+            "min_replicas": a.min_replicas,
+            "initial_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
+            "metrics_interval_s": min(10.0, a.look_back_period_s),
+        },
+        max_ongoing_requests=s.max_ongoing_requests,
+        max_queued_requests=s.max_queued_requests,
+        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=min(2.0, max(0.1, s.graceful_shutdown_timeout_s / 10)),
+        health_check_period_s=s.health_check_period_s,
+        health_check_timeout_s=s.health_check_timeout_s,
+        user_config=plan.user_config(),
+    )
+    return deployment.bind(plan.model, plan.tracking_uri, replica_limits(s, s.replica.num_cpus))
+
+
+def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
+    """Start Serve if needed (on `serve.host:serve.port`) and run the app; in place if it runs already.
+
+    A running app with the same name is updated: a new split is a `user_config` change that the
+    replicas apply without restarting, and requests in flight finish on the old split.
+    """
+    from ray import serve
+
+    from flotilla.train import ensure_ray
+
+    ensure_ray()
+    s = plan.serve
+    notes = []
+    serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
+    actual = _proxy_address()
+    if actual is not None and actual != (s.host, s.port):
+        notes.append(f"Serve was already running on {actual[0]}:{actual[1]}; serve.host/serve.port apply at its next start")
+    host, port = actual or (s.host, s.port)
+    name = app_name or plan.model
+    serve.run(build_application(plan), name=name, route_prefix=plan.route_prefix, blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return Endpoint(plan, f"http://{shown}:{port}{plan.route_prefix}", name, notes)
+
+
+def _proxy_address() -> tuple[str, int] | None:
+    try:
+        from ray.serve.context import _get_global_client
+
+        config = _get_global_client().http_config
+        return config.host, int(config.port)
+    except Exception:
+        return None
+
+
+def sample_request(plan: DeploymentPlan) -> tuple[str, dict[str, Any]]:
+    """A request the served model accepts: the logged input example (classifier) or a prompt."""
+    if plan.kind == "generator":
+        return "/generate", {"prompt": "def ", "max_tokens": 48, "temperature": 0.8, "top_k": 20, "seed": 0}
+    import tempfile
+
+    import mlflow
+    from mlflow.models import Model
+
+    mlflow.set_tracking_uri(plan.tracking_uri)
+    version = next(iter(plan.traffic))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow.artifacts.download_artifacts(f"models:/{plan.model}/{version}", dst_path=tmp)
+        example = Model.load(path).load_input_example(path)
+    return "/predict", {"instances": example.astype("float64").to_numpy().tolist()}

@@ -1,0 +1,110 @@
+"""Request and response bodies of the serving API, and how their validation errors read.
+
+Every schema forbids unknown fields; numbers must be finite JSON numbers (no strings, no
+booleans, no NaN or Infinity). Limits that depend on the deployment (instances per request,
+tokens per generation, the model's feature count) are checked by the server, with the same
+error shape: `{"error": "...", "status": 422, "fields": [{"field": "instances[2]", "message": "..."}]}`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError
+
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+
+
+def _instance_form(value: Any) -> str | None:
+    return "row" if isinstance(value, list) else "record" if isinstance(value, dict) else None
+
+
+Instance = Annotated[
+    Union[Annotated[list[Number], Tag("row")], Annotated[dict[str, Number], Tag("record")]],
+    Discriminator(
+        _instance_form,
+        custom_error_type="instance_form",
+        custom_error_message="an instance is a list of feature values or an object of feature name -> value",
+    ),
+]
+_TAGS = {"row", "record"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PredictRequest(_Body):
+    """Rows to predict: each a list of feature values in the model's column order, or an object by column name."""
+
+    instances: list[Instance] = Field(..., min_length=1, description="The rows to predict (at least one).")
+
+
+class PredictResponse(_Body):
+    model: str = Field(..., description="Registered model name.")
+    version: str = Field(..., description="The model version that answered.")
+    predictions: list[Any] = Field(..., description="One prediction per instance: a class label or a number.")
+    probabilities: Optional[list[list[float]]] = Field(
+        None, description="Classification: per instance, the probability of each class in `classes` order."
+    )
+    classes: Optional[list[Any]] = Field(None, description="Classification: the class labels.")
+
+
+class GenerateRequest(_Body):
+    """Text generation from a prompt, byte by byte."""
+
+    prompt: Annotated[str, Strict()] = Field(..., max_length=100_000, description="The text to continue.")
+    max_tokens: Annotated[int, Strict()] = Field(64, ge=1, description="Tokens (bytes) to generate.")
+    temperature: Number = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy.")
+    top_k: Annotated[int, Strict()] = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 is off.")
+    seed: Optional[Annotated[int, Strict()]] = Field(
+        None, ge=0, description="Seed of the sampler: the same seed and prompt give the same text."
+    )
+    stream: Annotated[bool, Strict()] = Field(
+        False, description="Stream tokens as server-sent events (`data: {\"text\": ...}`) as they are produced."
+    )
+
+
+class GenerateResponse(_Body):
+    model: str = Field(..., description="Registered model name.")
+    version: str = Field(..., description="The model version that answered.")
+    text: str = Field(..., description="The generated continuation (without the prompt).")
+
+
+class ErrorField(_Body):
+    field: str
+    message: str
+
+
+class ErrorResponse(_Body):
+    error: str = Field(..., description="What went wrong and how to fix it.")
+    status: int = Field(..., description="The HTTP status code.")
+    fields: list[ErrorField] = Field(default_factory=list, description="Per-field problems, for 422.")
+
+
+def field_path(loc: tuple) -> str:
+    """`("instances", 2, "row", 0)` → `instances[2][0]` (union tags dropped)."""
+    out = ""
+    for part in loc:
+        if part in _TAGS:
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(body)"
+
+
+def validation_fields(error: ValidationError) -> list[ErrorField]:
+    fields = []
+    for err in error.errors(include_url=False):
+        path = field_path(err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; remove it"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        fields.append(ErrorField(field=path, message=msg))
+    return fields
+
+
+def schema_of(model: type[BaseModel]) -> dict:
+    """The request body as an OpenAPI schema (for `/docs`), with nested definitions inlined."""
+    return model.model_json_schema(ref_template="#/components/schemas/{model}")

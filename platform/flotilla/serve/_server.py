@@ -1,0 +1,387 @@
+"""The serving replicas: one Ray Serve deployment per endpoint, FastAPI ingress, batched forwards.
+
+A replica loads every version its traffic split (and shadow) names from the MLflow registry,
+so choosing a version is a local decision: no second hop, exact weights, sticky callers stay
+sticky on every replica. Changing the split or promoting a version is a `user_config` update,
+applied in place by `reconfigure` (new versions load in a thread while the old split keeps
+answering; the switch is one assignment), so no request in flight is dropped.
+
+    Classifier   POST {prefix}/predict    {"instances": [[...], {...}]}
+    Generator    POST {prefix}/generate   {"prompt": "def ", "max_tokens": 64, "stream": true}
+    both         GET  {prefix}/           what is served: versions, aliases, split, shadow
+                 GET  {prefix}/docs       OpenAPI docs
+"""
+
+# No `from __future__ import annotations` here: Serve's class-based FastAPI views need the
+# route parameters' annotations (`request: Request`) as real types, not strings.
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from flotilla.serve._routing import TrafficSplit
+from flotilla.serve._schemas import (
+    ErrorField,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    PredictRequest,
+    PredictResponse,
+    schema_of,
+    validation_fields,
+)
+
+logger = logging.getLogger("ray.serve")
+VERSION_HEADER = "X-Model-Version"
+LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class ApiError(Exception):
+    """An answer other than 200, with a body that says why."""
+
+    def __init__(self, status: int, message: str, fields: list[ErrorField] | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.fields, self.headers = status, message, fields or [], headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=self.message, status=self.status, fields=self.fields)
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def _api(title: str, description: str) -> FastAPI:
+    api = FastAPI(title=title, description=description, version="1")
+
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug, not the client's fault
+        logger.exception("unhandled error on %s", request.url.path)
+        return ApiError(500, f"internal error ({type(exc).__name__}); see the replica log").response()
+
+    return api
+
+
+def _body_schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema_of(model)}}}}
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 422, 503, 504)}
+
+
+def load_version(model: str, version: str, tracking_uri: str):
+    """The inference bundle of registered `model` version `version` (pyfunc from code: no pickle)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    return mlflow.pyfunc.load_model(f"models:/{model}/{version}").unwrap_python_model().bundle
+
+
+class _ModelServer:
+    """What both endpoints share: loading versions, routing, limits, metrics, health."""
+
+    task_kind: str = ""  # "classifier" | "generator"
+
+    def __init__(self, model: str, tracking_uri: str, limits: dict[str, Any]):
+        import torch
+
+        self.model_name, self.tracking_uri, self.limits = model, tracking_uri, limits
+        threads = max(1, int(limits.get("num_cpus") or 1))
+        torch.set_num_threads(threads)  # one replica per reserved core; more threads only contend
+        self.device = "cuda" if limits.get("num_gpus") and torch.cuda.is_available() else "cpu"
+        self.bundles: dict[str, Any] = {}
+        self.split: TrafficSplit | None = None
+        self.aliases: dict[str, list[str]] = {}
+        self.shadow: dict[str, Any] | None = None
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        from ray.serve.metrics import Counter, Histogram
+
+        tags = ("model", "version")
+        self.m_requests = Counter("flotilla_requests", "Requests answered, by version and HTTP status.", tags + ("status",))
+        self.m_latency = Histogram("flotilla_request_latency_ms", "Request latency in the replica (ms).", LATENCY_MS, tags)
+        self.m_forward = Histogram("flotilla_forward_latency_ms", "Model forward pass latency (ms).", LATENCY_MS, tags)
+        self.m_batch = Histogram("flotilla_batch_size", "Requests per batched forward pass.", BATCH_SIZES, tags)
+        self.m_shadow = Counter("flotilla_shadow_requests", "Requests mirrored to a shadow version.", tags + ("agree",))
+        self.m_shadow_latency = Histogram("flotilla_shadow_latency_ms", "Shadow forward latency (ms).", LATENCY_MS, tags)
+
+    # ------------------------------------------------------------------ versions
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """Load the versions a new split names (off the event loop), warm them up, then switch."""
+        wanted = set(config["traffic"]) | ({config["shadow"]["version"]} if config.get("shadow") else set())
+        bundles = dict(self.bundles)
+        for version in sorted(wanted - set(bundles)):
+            bundles[version] = await asyncio.to_thread(self._load_and_warm, version, config)
+        split = TrafficSplit(config["traffic"])
+        if hasattr(self, "_forward"):
+            self._forward.set_max_batch_size(config["max_batch_size"])
+            self._forward.set_batch_wait_timeout_s(config["batch_wait_timeout_s"])
+        self.bundles = {v: b for v, b in bundles.items() if v in wanted}
+        self.split, self.aliases, self.shadow = split, config.get("aliases", {}), config.get("shadow")
+        logger.info("serving %s: split %s, shadow %s", self.model_name, split.percents(), self.shadow)
+
+    def _load_and_warm(self, version: str, config: dict[str, Any]):
+        bundle = load_version(self.model_name, version, self.tracking_uri).to(self.device)
+        kind = "generator" if bundle.task == "lm" else "classifier"
+        if kind != self.task_kind:
+            raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")
+        self.warm_up(bundle, config["max_batch_size"])
+        return bundle
+
+    def check_health(self) -> None:
+        """Serve calls this periodically: every loaded version must still answer a forward pass."""
+        for version, bundle in list(self.bundles.items()):
+            try:
+                self.warm_up(bundle, 1)
+            except Exception as e:
+                raise RuntimeError(f"{self.model_name} v{version} can no longer answer: {type(e).__name__}: {e}") from e
+
+    def warm_up(self, bundle, rows: int) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests
+    def info(self) -> dict[str, Any]:
+        assert self.split is not None
+        return {
+            "model": self.model_name,
+            "kind": self.task_kind,
+            "traffic": self.split.percents(),
+            "aliases": self.aliases,
+            "shadow": self.shadow,
+            "versions": sorted(self.bundles, key=int),
+        }
+
+    def choose(self, request: Request) -> str:
+        caller = request.headers.get(self.limits["sticky_header"])
+        return self.split.pick(caller)
+
+    async def read_body(self, request: Request, schema):
+        declared = request.headers.get("content-length")
+        limit = self.limits["max_body_bytes"]
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise ApiError(413, f"request body is {len(raw)} bytes; this endpoint accepts at most {limit}")
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}; send a JSON object like {self.example}") from None
+        try:
+            return schema.model_validate(obj)
+        except ValidationError as e:
+            fields = validation_fields(e)
+            summary = "; ".join(f"{f.field}: {f.message}" for f in fields[:5])
+            raise ApiError(422, f"invalid request: {summary}", fields) from None
+
+    async def answer(self, request: Request, handler) -> Response:
+        """Run `handler`, turning client errors into their status and recording metrics either way."""
+        start = time.perf_counter()
+        version = "none"
+        try:
+            version, response = await handler()
+            status = response.status_code
+        except ApiError as e:
+            response, status = e.response(), e.status
+        tags = {"model": self.model_name, "version": version}
+        self.m_requests.inc(tags={**tags, "status": str(status)})
+        self.m_latency.observe((time.perf_counter() - start) * 1000, tags=tags)
+        return response
+
+    async def with_timeout(self, awaitable, what: str):
+        timeout = self.limits["request_timeout_s"]
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"{what} took longer than {timeout:g} s (serve.request_timeout_s); retry later") from None
+
+
+# ------------------------------------------------------------------------ classifier
+classifier_api = _api("Flotilla classifier", "Predictions from a registered tabular model.")
+
+
+@serve.deployment
+@serve.ingress(classifier_api)
+class Classifier(_ModelServer):
+    task_kind = "classifier"
+    example = '{"instances": [[0.0, 1.5, ...]]}'
+
+    def warm_up(self, bundle, rows: int) -> None:
+        columns = bundle.schema["feature_columns"]
+        bundle.predict(pd.DataFrame(np.zeros((rows, len(columns))), columns=columns))
+
+    @classifier_api.get("/", summary="What this endpoint serves")
+    def describe(self) -> dict[str, Any]:
+        return self.info()
+
+    @classifier_api.post("/predict", response_model=PredictResponse, responses=_ERRORS,
+                         openapi_extra=_body_schema(PredictRequest), summary="Predict rows")
+    async def predict(self, request: Request) -> Response:
+        async def handle():
+            body = await self.read_body(request, PredictRequest)
+            version = self.choose(request)
+            bundle = self.bundles[version]
+            rows = self.rows(body.instances, bundle)
+            out = await self.with_timeout(asyncio.shield(self._forward((version, bundle, rows))), "prediction")
+            payload = {"model": self.model_name, "version": version, **out}
+            if bundle.classes is not None:
+                payload["classes"] = bundle.classes
+            if self.shadow and random.random() * 100 < self.shadow["percent"]:
+                asyncio.get_running_loop().create_task(self._mirror(rows, out["predictions"]))
+            return version, JSONResponse(payload, headers={VERSION_HEADER: version})
+
+        return await self.answer(request, handle)
+
+    def rows(self, instances: list, bundle) -> np.ndarray:
+        """Instances → a float64 array in the model's column order, or 422 naming what is wrong."""
+        columns = bundle.schema["feature_columns"]
+        limit = self.limits["max_instances"]
+        if len(instances) > limit:
+            raise ApiError(422, f"instances: {len(instances)} rows; at most {limit} per request (serve.max_instances)",
+                           [ErrorField(field="instances", message=f"at most {limit} rows per request")])
+        out = np.empty((len(instances), len(columns)))
+        fields = []
+        for i, inst in enumerate(instances):
+            if isinstance(inst, dict):
+                missing = [c for c in columns if c not in inst]
+                unknown = [k for k in inst if k not in bundle_columns(bundle)]
+                if missing or unknown:
+                    parts = ([f"missing {len(missing)} feature(s): {', '.join(missing[:5])}"] if missing else []) + (
+                        [f"unknown feature(s): {', '.join(unknown[:5])}"] if unknown else [])
+                    fields.append(ErrorField(field=f"instances[{i}]", message="; ".join(parts)))
+                    continue
+                out[i] = [inst[c] for c in columns]
+            elif len(inst) != len(columns):
+                fields.append(ErrorField(field=f"instances[{i}]",
+                                         message=f"{len(inst)} feature values; this model takes {len(columns)}"))
+            else:
+                out[i] = inst
+        if fields:
+            summary = "; ".join(f"{f.field}: {f.message}" for f in fields[:5])
+            raise ApiError(422, f"invalid request: {summary}", fields)
+        return out
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def _forward(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
+        """One forward pass per version for all the requests that arrived together."""
+        results: list[dict[str, list] | None] = [None] * len(items)
+        by_version: dict[str, list[int]] = {}
+        for i, (version, _, _) in enumerate(items):
+            by_version.setdefault(version, []).append(i)
+        for version, idx in by_version.items():
+            bundle = items[idx[0]][1]
+            rows = np.concatenate([items[i][2] for i in idx])
+            start = time.perf_counter()
+            out = await asyncio.to_thread(bundle.predict, pd.DataFrame(rows, columns=bundle.schema["feature_columns"]))
+            tags = {"model": self.model_name, "version": version}
+            self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
+            self.m_batch.observe(len(idx), tags=tags)
+            offset = 0
+            for i in idx:
+                n = len(items[i][2])
+                results[i] = {key: values[offset:offset + n] for key, values in out.items()}
+                offset += n
+        return results
+
+    async def _mirror(self, rows: np.ndarray, primary: list) -> None:
+        """Shadow mode: the same rows through the shadow version; its answer is logged, not returned."""
+        version = self.shadow["version"]
+        bundle = self.bundles.get(version)
+        if bundle is None:
+            return
+        start = time.perf_counter()
+        try:
+            out = await self._forward((version, bundle, rows))
+        except Exception as e:  # a shadow failure must never reach the caller
+            logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
+            self.m_shadow.inc(tags={"model": self.model_name, "version": version, "agree": "error"})
+            return
+        ms = (time.perf_counter() - start) * 1000
+        agree = sum(a == b for a, b in zip(out["predictions"], primary)) / max(1, len(primary))
+        tags = {"model": self.model_name, "version": version}
+        self.m_shadow.inc(tags={**tags, "agree": "yes" if agree == 1 else "no"})
+        self.m_shadow_latency.observe(ms, tags=tags)
+        logger.info("shadow v%s: %d rows in %.1f ms, agreement %.3f with the primary", version, len(primary), ms, agree)
+
+
+def bundle_columns(bundle) -> set[str]:
+    cached = getattr(bundle, "_column_set", None)
+    if cached is None:
+        cached = set(bundle.schema["feature_columns"])
+        bundle._column_set = cached
+    return cached
+
+
+# ------------------------------------------------------------------------- generator
+generator_api = _api("Flotilla generator", "Text generation from a registered gpt model.")
+
+
+@serve.deployment
+@serve.ingress(generator_api)
+class Generator(_ModelServer):
+    task_kind = "generator"
+    example = '{"prompt": "def ", "max_tokens": 32}'
+
+    def warm_up(self, bundle, rows: int) -> None:
+        bundle.generate("def ", max_tokens=2, temperature=0.0)
+
+    @generator_api.get("/", summary="What this endpoint serves")
+    def describe(self) -> dict[str, Any]:
+        return self.info()
+
+    @generator_api.post("/generate", response_model=GenerateResponse, responses=_ERRORS,
+                        openapi_extra=_body_schema(GenerateRequest), summary="Generate text")
+    async def generate(self, request: Request) -> Response:
+        async def handle():
+            body = await self.read_body(request, GenerateRequest)
+            cap = self.limits["max_new_tokens"]
+            if body.max_tokens > cap:
+                raise ApiError(422, f"invalid request: max_tokens: {body.max_tokens} is above this endpoint's "
+                               f"limit of {cap} (serve.max_new_tokens)",
+                               [ErrorField(field="max_tokens", message=f"at most {cap}")])
+            version = self.choose(request)
+            bundle = self.bundles[version]
+            kwargs = dict(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k or None,
+                          seed=body.seed)
+            headers = {VERSION_HEADER: version}
+            if body.stream:
+                return version, StreamingResponse(self._events(bundle, version, body.prompt, kwargs),
+                                                  media_type="text/event-stream", headers=headers)
+            text = await self.with_timeout(asyncio.to_thread(bundle.generate, body.prompt, **kwargs), "generation")
+            return version, JSONResponse({"model": self.model_name, "version": version, "text": text}, headers=headers)
+
+        return await self.answer(request, handle)
+
+    async def _events(self, bundle, version: str, prompt: str, kwargs: dict):
+        """Server-sent events: one `data: {"text": piece}` per decoded piece, then `data: [DONE]`."""
+        pieces = bundle.generate_stream(prompt, **kwargs)
+        start = time.perf_counter()
+        while True:
+            piece = await asyncio.to_thread(next, pieces, None)
+            if piece is None:
+                break
+            yield f"data: {json.dumps({'text': piece})}\n\n"
+        self.m_forward.observe((time.perf_counter() - start) * 1000, tags={"model": self.model_name, "version": version})
+        yield "data: [DONE]\n\n"
+
+
+def replica_limits(spec_serve, num_cpus: float) -> dict[str, Any]:
+    s = spec_serve
+    return {
+        "max_body_bytes": s.max_body_bytes,
+        "max_instances": s.max_instances,
+        "max_new_tokens": s.max_new_tokens,
+        "request_timeout_s": s.request_timeout_s,
+        "sticky_header": s.sticky_header,
+        "num_cpus": max(1, math.floor(num_cpus)) if num_cpus else 1,
+        "num_gpus": s.replica.num_gpus,
+    }
