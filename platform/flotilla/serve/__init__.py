@@ -5,6 +5,7 @@
     build_application(plan)           # the Serve application, for `serve run` / `serve deploy` builders
 """
 
+from flotilla.serve._builder import AppArgs, build_app
 from flotilla.serve._deploy import DeploymentPlan, Endpoint, build_application, deploy, plan_deployment, sample_request
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
@@ -12,6 +13,8 @@ from flotilla.serve._server import VERSION_HEADER, Classifier, Generator, load_v
 
 __all__ = [
     "VERSION_HEADER",
+    "AppArgs",
+    "build_app",
     "Classifier",
     "DeploymentPlan",
     "Endpoint",

@@ -147,7 +147,6 @@ def build_application(plan: DeploymentPlan):
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
-            "metrics_interval_s": min(10.0, a.look_back_period_s),
         },
         max_ongoing_requests=s.max_ongoing_requests,
         max_queued_requests=s.max_queued_requests,

@@ -1,0 +1,222 @@
+"""Serving throughput and latency: the same model three ways, measured in one run.
+
+    python benchmarks/serve_throughput.py            # ~6 minutes on 2 cores; run it alone
+
+(a) the Flotilla endpoint (Ray Serve, dynamic batching, one replica with one CPU);
+(b) plain FastAPI + uvicorn calling the model once per request (benchmarks/_plain_fastapi.py);
+(c) the model's raw batched forward in-process (no HTTP), batches of `--batch`.
+All three use one torch thread. The model is a wide MLP on the digits sample, trained for one
+epoch and registered in a temporary MLflow store; (a) loads it from the registry, (b) and (c)
+from the same bundle. A load generator (aiohttp, 127.0.0.1) keeps `c` requests of one row
+in flight for `--seconds` at c = 1, 8, 32 and records every latency.
+Goals: (a) >= 1.5 x (b) in throughput at c=32; (a) p50 at c=1 within 3 ms of (b);
+(a) >= 0.7 x (c) in items/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+import numpy as np  # noqa: E402
+
+from flotilla.config import load_spec  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+
+
+async def drive(url: str, rows: list, concurrency: int, seconds: float, warmup_s: float = 2.0) -> dict:
+    """Keep `concurrency` requests in flight; return req/s and latency percentiles (ms)."""
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+        measure_from, stop_at = start + warmup_s, start + warmup_s + seconds
+
+        async def client(i: int):
+            nonlocal errors
+            k = i
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= stop_at:
+                    return
+                body = {"instances": [rows[k % len(rows)]]}
+                k += concurrency
+                async with session.post(url, json=body) as r:
+                    await r.read()
+                    ok = r.status == 200
+                t1 = time.perf_counter()
+                if t0 >= measure_from:
+                    if ok:
+                        latencies.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    lat = np.asarray(latencies) * 1000
+    return {
+        "rps": len(lat) / seconds,
+        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
+        "errors": errors,
+    }
+
+
+def measure(url: str, rows: list, seconds: float) -> dict[int, dict]:
+    return {c: asyncio.run(drive(url, rows, c, seconds)) for c in CONCURRENCY}
+
+
+def raw_forward(bundle, rows: list, batch: int, seconds: float) -> float:
+    """(c): items/s of the model's batched forward on preprocessed rows, in this process."""
+    import pandas as pd
+    import torch
+
+    torch.set_num_threads(1)
+    x = bundle.transform(pd.DataFrame(np.asarray(rows[:batch]), columns=bundle.schema["feature_columns"]))
+    with torch.no_grad():
+        for _ in range(3):
+            bundle.model(x)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            bundle.model(x)
+            n += len(x)
+    return n / (time.perf_counter() - start)
+
+
+def wait_http(url: str, timeout_s: float = 120) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up in {timeout_s} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", default="[2048,2048,2048]", help="MLP hidden sizes (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per point")
+    parser.add_argument("--batch", type=int, default=32, help="max batch size of (a) and the batch of (c)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_throughput.json"))
+    args = parser.parse_args()
+
+    import ray
+
+    from flotilla.serve import deploy, load_version, plan_deployment
+    from flotilla.train import run_training
+    from tests.services import free_port
+
+    with tempfile.TemporaryDirectory(prefix="flotilla-serve-bench-") as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        spec = load_spec(ROOT / "configs" / "digits.yaml", [
+            f"train.storage_path={tmp}", f"track.uri={uri}", "track.gate.require=[]", "train.epochs=1",
+            f"model.hidden={args.hidden}", "train.num_workers=1",
+            f"serve.port={free_port()}", "serve.replica.num_cpus=1", "serve.autoscaling.min_replicas=1",
+            "serve.autoscaling.max_replicas=1", f"serve.batching.max_batch_size={args.batch}",
+            "serve.batching.batch_wait_timeout_s=0.002",
+        ])
+        outcome = run_training(spec)
+        rows, _ = _val_rows(spec)
+        plan = plan_deployment(spec)
+        bundle = load_version(plan.model, next(iter(plan.traffic)), plan.tracking_uri)
+        params = sum(p.numel() for p in bundle.model.parameters())
+
+        items_c = raw_forward(bundle, rows, args.batch, args.seconds)
+        single_c = _single_forward_ms(bundle, rows)
+
+        port = free_port()
+        plain = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "_plain_fastapi.py"), str(outcome.bundle_path),
+                                  str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz")
+            b = measure(f"http://127.0.0.1:{port}/predict", rows, args.seconds)
+        finally:
+            plain.terminate()
+            plain.wait(timeout=30)
+
+        endpoint = deploy(plan)
+        a = measure(endpoint.url + "/predict", rows, args.seconds)
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+    report(args, params, single_c, items_c, a, b)
+
+
+def _val_rows(spec):
+    import pyarrow.parquet as pq
+
+    from flotilla.data import resolve_source, split_rows
+
+    df = pq.read_table(resolve_source("digits").paths[0]).to_pandas()
+    val = split_rows(df, spec.data.split_seed, spec.data.val_fraction, "val")
+    return val.drop(columns=["target"]).to_numpy().tolist(), val["target"].to_numpy()
+
+
+def _single_forward_ms(bundle, rows) -> float:
+    import pandas as pd
+    import torch
+
+    x = bundle.transform(pd.DataFrame(np.asarray(rows[:1]), columns=bundle.schema["feature_columns"]))
+    with torch.no_grad():
+        for _ in range(3):
+            bundle.model(x)
+        start = time.perf_counter()
+        for _ in range(50):
+            bundle.model(x)
+    return (time.perf_counter() - start) / 50 * 1000
+
+
+def report(args, params: int, single_ms: float, items_c: float, a: dict, b: dict) -> None:
+    lines = [
+        f"Serving, {time.strftime('%Y-%m-%d')}, 2 cores, one torch thread everywhere; MLP {args.hidden} on digits "
+        f"({params / 1e6:.1f}M parameters; forward of 1 row {single_ms:.1f} ms, of {args.batch} rows "
+        f"{args.batch / items_c * 1000:.1f} ms); requests of one row, {args.seconds:g} s per point",
+        "",
+        "| concurrency | (a) Flotilla req/s | (b) FastAPI req/s | a / b | (a) p50 / p99 ms | (b) p50 / p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in CONCURRENCY:
+        lines.append(
+            f"| {c} | {a[c]['rps']:.0f} | {b[c]['rps']:.0f} | {a[c]['rps'] / b[c]['rps']:.2f} | "
+            f"{a[c]['p50_ms']:.1f} / {a[c]['p99_ms']:.1f} | {b[c]['p50_ms']:.1f} / {b[c]['p99_ms']:.1f} |"
+        )
+    best_a = max(r["rps"] for r in a.values())
+    lines += [
+        "",
+        f"(c) raw batched forward: {items_c:.0f} items/s; (a) at c=32 reaches {a[32]['rps'] / items_c:.2f} x (c).",
+        "",
+        f"Goals: a/b at c=32 = {a[32]['rps'] / b[32]['rps']:.2f} (>= 1.5); p50 at c=1: a - b = "
+        f"{a[1]['p50_ms'] - b[1]['p50_ms']:+.1f} ms (<= 3); a/c = {a[32]['rps'] / items_c:.2f} (>= 0.7); "
+        f"errors a {sum(r['errors'] for r in a.values())}, b {sum(r['errors'] for r in b.values())}; best (a) {best_a:.0f} req/s.",
+    ]
+    print("\n" + "\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"a": a, "b": b, "c_items_per_s": items_c, "params": params,
+                                          "single_forward_ms": single_ms, "args": vars(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # tests.services.free_port
+    main()

@@ -1,0 +1,62 @@
+"""Application builders behind `serve run serve_apps.<kind>:app key=value ...` and `serve deploy`.
+
+    serve run serve_apps.classifier:app model=digits alias=champion --route-prefix /v1/models/digits
+    serve run serve_apps.generator:app config=configs/pycode_gpt.yaml version=3
+
+Arguments (all optional): `config` (a run spec; its `serve` section), `model`, `alias` or
+`version` (one target, all traffic), `traffic` (`champion=90,candidate=10`), `tracking_uri`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flotilla.config import load_spec
+from flotilla.errors import ServeError
+
+ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_CONFIGS = {"classifier": ROOT / "configs" / "digits.yaml", "generator": ROOT / "configs" / "pycode_gpt.yaml"}
+
+
+class AppArgs(BaseModel):
+    """What `serve run ... key=value` and a config file's `args:` may say."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | None = Field(None, description="Run spec whose `serve` section configures the endpoint.")
+    model: str | None = Field(None, description="Registered model; default from the spec.")
+    alias: str | None = Field(None, description="Serve this alias with all traffic (default: the spec's traffic).")
+    version: str | None = Field(None, description="Serve this version with all traffic.")
+    traffic: str | None = Field(None, description="A split such as `champion=90,candidate=10`.")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default from the spec.")
+
+
+def build_app(args: dict, kind: str):
+    from flotilla.serve._deploy import build_application, plan_deployment
+
+    parsed = AppArgs.model_validate(args or {})
+    overrides = []
+    chosen = [x for x in (parsed.alias, parsed.version, parsed.traffic) if x]
+    if len(chosen) > 1:
+        raise ServeError("give one of alias=, version= or traffic=")
+    if parsed.alias or parsed.version:
+        overrides.append(f"serve.traffic={{{(parsed.alias or parsed.version)!r}: 100}}")
+    elif parsed.traffic:
+        pairs = [p.partition("=") for p in parsed.traffic.split(",") if p.strip()]
+        overrides.append("serve.traffic={" + ", ".join(f"{k.strip()!r}: {w.strip()}" for k, _, w in pairs) + "}")
+    spec = load_spec(_config_path(parsed.config) if parsed.config else DEFAULT_CONFIGS[kind], overrides)
+    plan = plan_deployment(spec, model=parsed.model, tracking_uri=parsed.tracking_uri)
+    if plan.kind != kind:
+        other = "generator" if kind == "classifier" else "classifier"
+        raise ServeError(f"{plan.model} is served by serve_apps.{other}:app, not serve_apps.{kind}:app")
+    return build_application(plan)
+
+
+def _config_path(config: str) -> Path:
+    """A relative path from the working directory, else from the checkout (Serve builds apps elsewhere)."""
+    path = Path(config)
+    if path.is_absolute() or path.exists():
+        return path
+    return ROOT / path if (ROOT / path).exists() else path

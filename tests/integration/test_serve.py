@@ -1,0 +1,344 @@
+"""Serving: real HTTP requests against real Ray Serve apps, models loaded from a real MLflow registry.
+
+One module-scoped setup trains the digits MLP (→ v1 champion; v2 is registered from the same
+run as `candidate`) and a tiny byte-level GPT, starts Serve on a free port, and deploys both.
+Tests then change the classifier app in place (split, shadow, replicas) in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from flotilla.bundle import load_bundle
+from flotilla.config import load_spec
+from flotilla.train import run_training
+from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, store_uri
+from tests.services import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# Short autoscaling delays so that 1 → 2 → 1 fits in a test; half a CPU per replica so that two
+# replicas of the classifier and one generator fit the 3-CPU test cluster.
+SERVE_TEST = [
+    "serve.replica.num_cpus=0.5",
+    "serve.autoscaling.min_replicas=1",
+    "serve.autoscaling.max_replicas=2",
+    "serve.autoscaling.target_ongoing_requests=2",
+    "serve.autoscaling.upscale_delay_s=1",
+    "serve.autoscaling.downscale_delay_s=6",
+    "serve.autoscaling.look_back_period_s=2",
+    "serve.health_check_period_s=2",
+    "serve.graceful_shutdown_timeout_s=5",
+    "serve.batching.batch_wait_timeout_s=0.01",
+    "serve.max_instances=64",
+    "serve.max_body_bytes=100000",
+    "serve.max_new_tokens=200",
+]
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory):
+    from mlflow import MlflowClient
+    from ray import serve
+
+    from flotilla.serve import deploy, plan_deployment
+    from flotilla.track import set_alias
+
+    store = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    common = [f"serve.port={port}", *SERVE_TEST]
+    digits = digits_spec(store, "train.epochs=3", "track.gate.require=[]", *common)
+    outcome = run_training(digits)
+    client = MlflowClient(store_uri(store))
+    v1 = client.get_model_version("digits", "1")
+    client.create_model_version("digits", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
+    set_alias(client, "digits", "candidate", "2")
+
+    gpt = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
+        f"train.storage_path={store}", f"track.uri={store_uri(store)}", "data.max_bytes=60000",
+        "model.layers=1", "model.heads=2", "model.width=32", "model.context=32",
+        "model.activation_checkpointing=false", "train.num_workers=1", "train.batch_size=16", *common,
+    ])
+    run_training(gpt)
+    generator = deploy(plan_deployment(gpt))
+    classifier = deploy(plan_deployment(digits))
+    yield {"store": store, "digits": digits, "outcome": outcome, "classifier": classifier, "generator": generator,
+           "port": port, "client": client}
+    serve.shutdown()
+
+
+def redeploy(served, *overrides):
+    from flotilla.serve import deploy, plan_deployment
+
+    spec = load_spec(ROOT / "configs" / "digits.yaml", [
+        f"train.storage_path={served['store']}", f"track.uri={store_uri(served['store'])}",
+        f"serve.port={served['port']}", *SERVE_TEST, *overrides])
+    return deploy(plan_deployment(spec))
+
+
+def post(url, body, **kw):
+    return requests.post(url, json=body, timeout=60, **kw)
+
+
+def val_rows(served, n):
+    rows, _ = digits_val_rows(served["digits"])
+    return rows.iloc[:n]
+
+
+def replicas(app: str, state: str = "RUNNING") -> int:
+    from ray import serve
+
+    status = serve.status().applications[app]
+    return sum(d.replica_states.get(state, 0) for d in status.deployments.values())
+
+
+def replica_actors(app: str) -> list[str]:
+    from ray.util.state import list_actors
+
+    return sorted(a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.class_name.startswith("ServeReplica:" + app + ":"))
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Load:
+    """Clients sending prediction requests in a loop until stopped; every answer is recorded."""
+
+    def __init__(self, url, body, clients=8, headers=None):
+        self.url, self.body, self.headers = url, body, headers or {}
+        self.results: list[tuple[float, int, str | None]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self):
+        with requests.Session() as s:
+            while not self._stop.is_set():
+                try:
+                    r = s.post(self.url, json=self.body, headers=self.headers, timeout=60)
+                    self.results.append((time.monotonic(), r.status_code, r.headers.get("X-Model-Version")))
+                except requests.RequestException as e:
+                    self.results.append((time.monotonic(), -1, type(e).__name__))
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+
+
+def metrics_text() -> str:
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+
+def metric_sum(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ------------------------------------------------------------------------------ tests
+def test_predictions_over_http_equal_the_bundle_predictions(served):
+    url = served["classifier"].url + "/predict"
+    rows = val_rows(served, 40)
+    bundle = load_bundle(served["outcome"].bundle_path)
+    expected = bundle.predict(rows)
+
+    as_lists = post(url, {"instances": rows.to_numpy().tolist()})
+    as_records = post(url, {"instances": rows.to_dict(orient="records")})
+    for r in (as_lists, as_records):
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Model-Version"] == "1"
+        body = r.json()
+        assert body["version"] == "1" and body["model"] == "digits"
+        assert body["predictions"] == expected["predictions"]
+        np.testing.assert_allclose(body["probabilities"], expected["probabilities"], atol=1e-6)
+    info = requests.get(served["classifier"].url + "/", timeout=10).json()
+    assert info["traffic"] == {"1": 100.0} and info["aliases"] == {"1": ["champion"]}
+
+
+def test_bad_input_gets_a_clear_4xx_and_never_restarts_a_replica(served):
+    url = served["classifier"].url + "/predict"
+    row = val_rows(served, 1).to_numpy().tolist()[0]
+    before = replica_actors("digits")
+    cases = [
+        ("wrong type", json.dumps({"instances": [["a"] + row[1:]]}), 422, "instances[0][0]"),
+        ("boolean", json.dumps({"instances": [[True] + row[1:]]}), 422, "instances[0][0]"),
+        ("feature count", json.dumps({"instances": [row[:-1]]}), 422, "63 feature values; this model takes 64"),
+        ("NaN", '{"instances": [[NaN' + ", 0" * 63 + "]]}", 422, "finite number"),
+        ("Infinity", '{"instances": [[Infinity' + ", 0" * 63 + "]]}", 422, "finite number"),
+        ("missing field", json.dumps({}), 422, "instances: required field is missing"),
+        ("unknown field", json.dumps({"instances": [row], "extra": 1}), 422, "extra: unknown field"),
+        ("empty list", json.dumps({"instances": []}), 422, "at least 1 item"),
+        ("not a row", json.dumps({"instances": [5]}), 422, "list of feature values or an object"),
+        ("missing column", json.dumps({"instances": [{"pixel_0": 1.0}]}), 422, "missing 63 feature(s)"),
+        ("oversized batch", json.dumps({"instances": [row] * 65}), 422, "at most 64"),
+        ("malformed JSON", '{"instances": [[1, 2', 400, "not valid JSON"),
+        ("too large", json.dumps({"instances": [row] * 60, "pad": "x" * 100000}), 413, "at most 100000"),
+    ]
+    for what, body, status, message in cases:
+        r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == status, (what, r.status_code, r.text)
+        assert message in r.json()["error"], (what, r.text)
+        assert "Traceback" not in r.text
+    r = requests.post(served["classifier"].url.replace("/digits", "/nope") + "/predict", json={"instances": [row]}, timeout=30)
+    assert r.status_code == 404 and "not found" in r.text.lower()
+    gen = served["generator"].url + "/generate"
+    for body, field in [({"prompt": "x", "max_tokens": 10_000}, "max_tokens"), ({"prompt": 3}, "prompt"),
+                        ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "seed": "1"}, "seed")]:
+        r = post(gen, body)
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == field, r.text
+    assert post(url, {"instances": [row]}).status_code == 200
+    assert replica_actors("digits") == before  # no replica restarted
+
+
+def test_openapi_docs_and_loopback_binding(served):
+    import psutil
+
+    base = served["classifier"].url
+    assert requests.get(base + "/docs", timeout=10).status_code == 200
+    spec = requests.get(base + "/openapi.json", timeout=10).json()
+    assert "/predict" in spec["paths"]
+    assert "instances" in json.dumps(spec["paths"]["/predict"]["post"]["requestBody"])
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == served["port"]}
+    assert listening == {"127.0.0.1"}
+
+
+def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
+    redeploy(served, "serve.shadow.target=candidate", "serve.shadow.percent=100")
+    url = served["classifier"].url + "/predict"
+    body = {"instances": val_rows(served, 2).to_numpy().tolist()}
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda _: post(url, body), range(160)))
+    assert {r.status_code for r in answers} == {200}
+    assert {r.headers["X-Model-Version"] for r in answers} == {"1"}  # shadow answers are never returned
+
+    def exported():
+        text = metrics_text()
+        shadowed = metric_sum(text, "ray_flotilla_shadow_requests_total", version="2")
+        return text if metric_sum(text, "ray_flotilla_batch_size_count", version="1") and shadowed >= 160 else None
+
+    text = wait_for(exported, 90, "flotilla metrics in Ray's Prometheus export", interval_s=3)
+    batches = metric_sum(text, "ray_flotilla_batch_size_count", version="1")
+    requests_in_batches = metric_sum(text, "ray_flotilla_batch_size_sum", version="1")
+    assert requests_in_batches / batches > 1.0  # mean batch size: concurrent requests shared forwards
+    assert metric_sum(text, "ray_flotilla_requests_total", version="1", status="200") >= 160
+    assert metric_sum(text, "ray_flotilla_forward_latency_ms_count", version="2") > 0  # the shadow ran
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(served):
+    redeploy(served)
+    assert wait_for(lambda: replicas("digits") == 1, 60, "one replica when idle")
+    url = served["classifier"].url + "/predict"
+    with Load(url, {"instances": val_rows(served, 8).to_numpy().tolist()}, clients=12) as load:
+        wait_for(lambda: replicas("digits") == 2, 90, "a second replica under load")
+    assert {s for _, s, _ in load.results} == {200}
+    wait_for(lambda: replicas("digits") == 1, 90, "scale-down to one replica when idle")
+
+
+def test_canary_split_is_weighted_and_sticky(served):
+    endpoint = redeploy(served, "serve.traffic={champion: 80, candidate: 20}")
+    url = endpoint.url + "/predict"
+    body = {"instances": val_rows(served, 1).to_numpy().tolist()}
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: post(url, body), range(1000)))
+    assert {r.status_code for r in answers} == {200}
+    versions = Counter(r.headers["X-Model-Version"] for r in answers)
+    assert abs(100 * versions["2"] / 1000 - 20) <= 5, versions
+    seen = {}
+    for user in range(40):
+        got = {post(url, body, headers={"X-User-Id": f"user-{user}"}).headers["X-Model-Version"] for _ in range(4)}
+        assert len(got) == 1, (user, got)
+        seen[user] = got.pop()
+    assert set(seen.values()) == {"1", "2"}
+
+
+def test_promotion_during_load_drops_no_request(served, ray_cluster):
+    url = served["classifier"].url + "/predict"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    cmd = [sys.executable, str(ROOT / "pipelines" / "deploy.py"), "--config", str(ROOT / "configs" / "digits.yaml"),
+           "--promote", "--set", f"train.storage_path={served['store']}", "--set", f"track.uri={store_uri(served['store'])}",
+           "--set", f"serve.port={served['port']}", *[a for o in SERVE_TEST for a in ("--set", o)]]
+    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6) as load:
+        time.sleep(2)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        finished = time.monotonic()
+        time.sleep(3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "digits@champion: v1 -> v2 (promoted)" in done.stdout
+    assert "deploying digits: v2 (champion) 100%" in done.stdout
+    statuses = Counter(s for _, s, _ in load.results)
+    assert statuses == {200: len(load.results)}, statuses
+    after = {v for t, _, v in load.results if t > finished + 1}
+    assert after == {"2"}
+    assert served["client"].get_model_version_by_alias("digits", "champion").version == "2"
+
+
+def test_a_killed_replica_is_replaced_while_the_other_keeps_answering(served):
+    import ray
+    import ray.util.state
+
+    redeploy(served, "serve.traffic={champion: 100}", "serve.autoscaling.min_replicas=2")
+    wait_for(lambda: replicas("digits") == 2, 90, "two replicas")
+    before = replica_actors("digits")
+    url = served["classifier"].url + "/predict"
+    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6) as load:
+        time.sleep(2)
+        victim = next(a for a in ray.util.state.list_actors(filters=[("actor_id", "=", before[0])]))
+        ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        wait_for(lambda: len(set(replica_actors("digits")) - set(before)) == 1 and replicas("digits") == 2,
+                 120, "a replacement replica")
+        replaced = time.monotonic()
+        time.sleep(2)
+    ok = [s == 200 for _, s, _ in load.results]
+    assert sum(ok) / len(ok) > 0.9
+    assert all(s == 200 for t, s, _ in load.results if t > killed + 5)  # the survivor answered meanwhile
+    assert any(t > killed + 1 and t < replaced for t, _, _ in load.results)
+    redeploy(served, "serve.traffic={champion: 100}")
+
+
+def test_streaming_generation_matches_the_whole_text(served):
+    url = served["generator"].url + "/generate"
+    request = {"prompt": "def ", "max_tokens": 40, "temperature": 0.9, "top_k": 20, "seed": 7}
+    whole = post(url, request)
+    assert whole.status_code == 200, whole.text
+    text = whole.json()["text"]
+    with requests.post(url, json={**request, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    pieces = [json.loads(e)["text"] for e in events[:-1]]
+    assert len(pieces) >= 3
+    assert "".join(pieces) == text
+    assert re.fullmatch(r"\d+", whole.headers["X-Model-Version"])

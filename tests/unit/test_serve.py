@@ -1,0 +1,83 @@
+"""Serving logic that needs no Ray: traffic splits, request validation, the `serve` spec section."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from flotilla.config import load_spec
+from flotilla.errors import SpecError
+from flotilla.serve import GenerateRequest, PredictRequest, TrafficSplit
+from flotilla.serve._schemas import validation_fields
+
+
+def test_weighted_split_lands_within_a_point_of_its_weights():
+    split = TrafficSplit({"3": 80, "4": 20})
+    rng = random.Random(0)
+    picks = [split.pick(None, rng) for _ in range(100_000)]
+    assert abs(picks.count("4") / len(picks) - 0.20) < 0.01
+    assert split.percents() == {"3": 80.0, "4": 20.0}
+
+
+def test_sticky_callers_always_get_the_same_version_and_the_split_holds_across_callers():
+    split = TrafficSplit({"1": 90, "2": 10})
+    callers = [f"user-{i}" for i in range(20_000)]
+    first = {c: split.pick(c) for c in callers}
+    assert all(split.pick(c) == first[c] for c in callers[:2000])
+    assert all(TrafficSplit({"1": 90, "2": 10}).pick(c) == first[c] for c in callers[:2000])  # any replica
+    assert abs(sum(v == "2" for v in first.values()) / len(callers) - 0.10) < 0.01
+
+
+def test_zero_weights_get_no_traffic_and_an_all_zero_split_is_refused():
+    assert {TrafficSplit({"1": 100, "2": 0}).pick(None) for _ in range(200)} == {"1"}
+    with pytest.raises(ValueError, match="positive weight"):
+        TrafficSplit({"1": 0})
+
+
+@pytest.mark.parametrize(
+    "body, field, message",
+    [
+        ({"instances": [["1"]]}, "instances[0][0]", "valid number"),
+        ({"instances": [[True]]}, "instances[0][0]", "valid number"),
+        ({"instances": [[float("nan")]]}, "instances[0][0]", "finite"),
+        ({"instances": [[float("inf")]]}, "instances[0][0]", "finite"),
+        ({"instances": [{"a": None}]}, "instances[0].a", "valid number"),
+        ({"instances": [7]}, "instances[0]", "list of feature values or an object"),
+        ({"instances": []}, "instances", "at least 1"),
+        ({}, "instances", "required field is missing"),
+        ({"instances": [[1.0]], "rows": 1}, "rows", "unknown field"),
+    ],
+)
+def test_prediction_requests_are_validated_field_by_field(body, field, message):
+    with pytest.raises(ValidationError) as e:
+        PredictRequest.model_validate(body)
+    fields = validation_fields(e.value)
+    assert fields[0].field == field and message in fields[0].message, fields
+
+
+def test_generation_requests_reject_strings_for_numbers_and_negative_settings():
+    assert GenerateRequest.model_validate({"prompt": "def "}).max_tokens == 64
+    for body, field in [({"prompt": "x", "max_tokens": "5"}, "max_tokens"), ({"prompt": "x", "top_k": -1}, "top_k"),
+                        ({"prompt": "x", "temperature": -0.5}, "temperature"), ({"prompt": None}, "prompt"),
+                        ({"prompt": "x", "stream": "yes"}, "stream")]:
+        with pytest.raises(ValidationError) as e:
+            GenerateRequest.model_validate(body)
+        assert validation_fields(e.value)[0].field == field
+
+
+def test_serve_section_errors_name_the_field_and_the_fix():
+    with pytest.raises(SpecError) as e:
+        load_spec("configs/digits.yaml", ["serve.trafic={champion: 100}", "serve.autoscaling.min_replicas=3",
+                                          "serve.traffic={'bad key!': 1}", "serve.route_prefix=v1/"])
+    text = str(e.value)
+    assert "`serve.trafic`: unknown key; did you mean `serve.traffic`?" in text
+    assert "`--serve.autoscaling.min_replicas` (3) is above `max_replicas` (2)" in text
+    assert "'bad key!': a traffic key is a version number or an alias name" in text
+    assert "a route prefix starts with `/`" in text
+    with pytest.raises(SpecError, match="must be at least `--serve.batching.max_batch_size` \\(32\\)"):
+        load_spec("configs/digits.yaml", ["serve.max_ongoing_requests=8"])
+    with pytest.raises(SpecError, match="positive sum"):
+        load_spec("configs/digits.yaml", ["serve.traffic={champion: 0}"])
+    assert load_spec("configs/digits.yaml").serve.host == "127.0.0.1"  # loopback unless configured otherwise
