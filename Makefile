@@ -1,4 +1,4 @@
-# Flotilla: `make demo` trains, bundles and queries the default model; `make test` runs the suite.
+# Flotilla: `make demo` trains, registers, serves and queries the default model; `make test` runs the suite.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +10,7 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune
+.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune benchmark-serve
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) pipelines/train.py --config configs/digits.yaml
+	$(PY) pipelines/deploy.py --config configs/digits.yaml --query
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -35,6 +36,9 @@ benchmark: $(VENV)/.installed
 
 benchmark-tune: $(VENV)/.installed
 	$(PY) benchmarks/tune_overhead.py --trials 4
+
+benchmark-serve: $(VENV)/.installed
+	$(PY) benchmarks/serve_throughput.py
 
 clean:
 	rm -rf runs mlruns .pytest_cache

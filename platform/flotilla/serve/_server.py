@@ -206,6 +206,16 @@ class _ModelServer:
 
 
 # ------------------------------------------------------------------------ classifier
+# Serve serializes a deployment class when it is decorated, so everything its methods use is
+# defined above this line.
+def bundle_columns(bundle) -> set[str]:
+    cached = getattr(bundle, "_column_set", None)
+    if cached is None:
+        cached = set(bundle.schema["feature_columns"])
+        bundle._column_set = cached
+    return cached
+
+
 classifier_api = _api("Flotilla classifier", "Predictions from a registered tabular model.")
 
 
@@ -311,14 +321,6 @@ class Classifier(_ModelServer):
         self.m_shadow.inc(tags={**tags, "agree": "yes" if agree == 1 else "no"})
         self.m_shadow_latency.observe(ms, tags=tags)
         logger.info("shadow v%s: %d rows in %.1f ms, agreement %.3f with the primary", version, len(primary), ms, agree)
-
-
-def bundle_columns(bundle) -> set[str]:
-    cached = getattr(bundle, "_column_set", None)
-    if cached is None:
-        cached = set(bundle.schema["feature_columns"])
-        bundle._column_set = cached
-    return cached
 
 
 # ------------------------------------------------------------------------- generator
