@@ -342,3 +342,23 @@ def test_streaming_generation_matches_the_whole_text(served):
     assert len(pieces) >= 3
     assert "".join(pieces) == text
     assert re.fullmatch(r"\d+", whole.headers["X-Model-Version"])
+
+
+def test_a_full_queue_answers_503_and_a_slow_request_504(served):
+    from flotilla.serve import deploy, plan_deployment
+
+    spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
+        f"train.storage_path={served['store']}", f"track.uri={store_uri(served['store'])}",
+        f"serve.port={served['port']}", *SERVE_TEST, "serve.max_ongoing_requests=1", "serve.max_queued_requests=1",
+        "serve.batching.max_batch_size=1", "serve.request_timeout_s=0.05", "serve.autoscaling.max_replicas=1"])
+    url = deploy(plan_deployment(spec)).url + "/generate"
+    slow = {"prompt": "def ", "max_tokens": 200, "temperature": 0.0}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(url, slow), range(8)))
+    statuses = Counter(r.status_code for r in answers)
+    assert statuses[503] >= 1 and set(statuses) <= {200, 503, 504}, statuses
+    assert "backpressure" in next(r.text for r in answers if r.status_code == 503).lower()
+    assert statuses[504] >= 1, statuses  # 200 tokens, one forward pass each, take longer than 50 ms
+    timed_out = next(r for r in answers if r.status_code == 504).json()
+    assert "took longer than 0.05 s (serve.request_timeout_s)" in timed_out["error"]
+    assert post(url, {"prompt": "def ", "max_tokens": 1}).status_code in (200, 504)  # still answering
