@@ -12,7 +12,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
@@ -22,7 +21,6 @@ from flotilla.bundle import load_bundle  # noqa: E402
 
 torch.set_num_threads(1)
 bundle = load_bundle(sys.argv[1])
-columns = bundle.schema["feature_columns"]
 app = FastAPI()
 
 
@@ -32,7 +30,7 @@ class Body(BaseModel):
 
 @app.post("/predict")
 def predict(body: Body) -> dict:
-    out = bundle.predict(pd.DataFrame(np.asarray(body.instances, dtype="float64"), columns=columns))
+    out = bundle.predict(np.asarray(body.instances, dtype="float64"))
     return {"predictions": out["predictions"], "probabilities": out.get("probabilities")}
 
 

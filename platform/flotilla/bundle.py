@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from flotilla.data import FEATURES, ByteWindows, apply_all, from_json
+from flotilla.data import FEATURES, ByteWindows, apply_all, array_transform, from_json
 from flotilla.errors import BundleError
 from flotilla.models import build_model
 
@@ -61,6 +61,10 @@ class InferenceBundle:
     classes: list | None
     metrics: dict[str, Any]
 
+    def __post_init__(self):
+        columns = self.schema.get("feature_columns")
+        self._array_transform = array_transform(self.feature_steps, columns) if columns else None
+
     @property
     def task(self) -> str:
         return self.schema["task"]
@@ -74,24 +78,34 @@ class InferenceBundle:
         self.model.to(device)
         return self
 
-    def transform(self, rows: pd.DataFrame | list[dict[str, Any]]) -> torch.Tensor:
-        """Raw rows → the model's input tensor, with the preprocessors fitted at training time."""
+    def transform(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> torch.Tensor:
+        """Raw rows → the model's input tensor, with the preprocessors fitted at training time.
+
+        `rows` may be a float array already in `schema["feature_columns"]` order (serving).
+        """
         if self.task == "lm":
             raise BundleError("this is a language-model bundle; use generate() or score()")
-        df = pd.DataFrame(rows) if not isinstance(rows, pd.DataFrame) else rows.copy()
         columns = self.schema["feature_columns"]
-        missing = [c for c in columns if c not in df.columns]
-        if missing:
-            raise BundleError(
-                f"rows lack feature column(s) {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; "
-                f"this model needs {len(columns)} columns: {', '.join(columns[:10])}{' ...' if len(columns) > 10 else ''}"
-            )
-        df = df[columns].astype("float64")
-        features = apply_all(self.feature_steps, df)[FEATURES]
+        if isinstance(rows, np.ndarray):
+            if rows.ndim != 2 or rows.shape[1] != len(columns):
+                raise BundleError(f"rows of shape {rows.shape}; this model needs (n, {len(columns)})")
+            array = rows.astype("float64", copy=False)
+        else:
+            df = pd.DataFrame(rows) if not isinstance(rows, pd.DataFrame) else rows
+            missing = [c for c in columns if c not in df.columns]
+            if missing:
+                raise BundleError(
+                    f"rows lack feature column(s) {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; "
+                    f"this model needs {len(columns)} columns: {', '.join(columns[:10])}{' ...' if len(columns) > 10 else ''}"
+                )
+            array = df[columns].to_numpy(dtype="float64")
+        if self._array_transform is not None:
+            return torch.from_numpy(np.ascontiguousarray(self._array_transform(array), dtype=np.float32))
+        features = apply_all(self.feature_steps, pd.DataFrame(array, columns=columns))[FEATURES]
         return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
 
     @torch.no_grad()
-    def predict(self, rows: pd.DataFrame | list[dict[str, Any]]) -> dict[str, list]:
+    def predict(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> dict[str, list]:
         x = self.transform(rows).to(self.device)
         out = self.model(x)
         if self.task == "classification":

@@ -91,3 +91,28 @@ def test_fingerprint_changes_with_content_or_spec_not_location(tmp_path):
     assert fingerprint([str(a)], fs, {"scaling": "minmax"}) != base
     a.write_text("x,y\n1,3\n")
     assert fingerprint([str(a)], fs, spec) != base
+
+
+@pytest.mark.parametrize("scaler", ["standard", "minmax", "none"])
+def test_the_array_fast_path_equals_rays_transform_batch(scaler):
+    """Serving transforms arrays with `array_transform`; it must match Ray's own transform exactly."""
+    from flotilla.data import FEATURES, apply_all, array_transform, tabular_preprocessors
+
+    columns = ["a", "b", "c", "d"]
+    steps = tabular_preprocessors(columns, scaler)
+    if scaler == "standard":
+        steps[0].stats_ = {"mean(a)": 1.5, "std(a)": 2.0, "mean(b)": -3.0, "std(b)": 0.0,  # constant column
+                           "mean(c)": 0.0, "std(c)": 1e-12, "mean(d)": None, "std(d)": None}  # no values seen
+    elif scaler == "minmax":
+        steps[0].stats_ = {"min(a)": 0.0, "max(a)": 16.0, "min(b)": 2.0, "max(b)": 2.0,
+                           "min(c)": -1.0, "max(c)": 3.0, "min(d)": None, "max(d)": None}
+    rows = np.random.default_rng(0).normal(size=(7, 4)) * 5
+    fast = array_transform(steps, columns)
+    assert fast is not None
+    expected = np.stack(apply_all(steps, pd.DataFrame(rows, columns=columns))[FEATURES].to_numpy())
+    got = fast(rows)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-6, equal_nan=True)
+    # columns given in another order than the concatenator's are mapped, not mixed up
+    reordered = array_transform(steps, columns[::-1])
+    np.testing.assert_allclose(reordered(rows[:, ::-1]), expected, rtol=1e-6, equal_nan=True)

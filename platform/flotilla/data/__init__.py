@@ -29,6 +29,7 @@ from flotilla.data._preprocess import (
     VOCAB_SIZE,
     ByteWindows,
     apply_all,
+    array_transform,
     from_json,
     tabular_preprocessors,
     to_json,
@@ -37,6 +38,7 @@ from flotilla.data._sources import BUILTIN_SOURCES, ResolvedSource, cache_dir, f
 from flotilla.errors import ClusterError, DataError
 
 __all__ = [
+    "array_transform",
     "FEATURES",
     "TOKENS",
     "VOCAB_SIZE",

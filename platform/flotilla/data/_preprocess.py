@@ -77,6 +77,56 @@ def apply_all(steps: list[Preprocessor], df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+# ------------------------------------------------------------ serving fast path
+def array_transform(steps: list[Preprocessor], columns: list[str]):
+    """The fitted tabular steps as one vectorized function: float64 rows (in `columns` order) →
+    the float32 `features` matrix, or None when a step has no array form.
+
+    Serving calls this per batch: Ray's `transform_batch` costs ~10-40 ms per call on 64
+    columns whatever the batch size (per-column pandas/Arrow work), more than the model. The
+    arithmetic is Ray's own, read from the same fitted stats — mean/std (ddof 0) or min/max,
+    a spread below Ray's epsilon treated as 1, a missing stat giving NaN — and a unit test
+    holds it equal to `transform_batch` on the same rows.
+    """
+    from ray.data.preprocessors.scaler import _EPSILON
+
+    index = {c: i for i, c in enumerate(columns)}
+    shift = np.zeros(len(columns))
+    scale = np.ones(len(columns))
+    for step in steps[:-1]:
+        if isinstance(step, (StandardScaler, MinMaxScaler)) and list(step.output_columns) == list(step.columns):
+            for col in step.columns:
+                if col not in index:
+                    return None
+                if isinstance(step, StandardScaler):
+                    lo, spread = step.stats_[f"mean({col})"], step.stats_[f"std({col})"]
+                else:
+                    lo, hi = step.stats_[f"min({col})"], step.stats_[f"max({col})"]
+                    spread = None if lo is None or hi is None else hi - lo
+                if lo is None or spread is None:
+                    lo, spread = np.nan, np.nan
+                elif spread < _EPSILON:
+                    spread = 1
+                # Steps on disjoint columns compose; the same column twice would not be one affine map.
+                if shift[index[col]] != 0 or scale[index[col]] != 1:
+                    return None
+                shift[index[col]], scale[index[col]] = lo, spread
+        else:
+            return None
+    last = steps[-1] if steps else None
+    if not isinstance(last, Concatenator) or last.output_column_name != FEATURES or getattr(last, "flatten", False):
+        return None
+    if any(c not in index for c in last.columns):
+        return None
+    order = np.asarray([index[c] for c in last.columns])
+    dtype = last.dtype or np.float64
+
+    def transform(rows: np.ndarray) -> np.ndarray:
+        return ((rows - shift) / scale)[:, order].astype(dtype, copy=False)
+
+    return transform
+
+
 # -------------------------------------------------------------------- JSON form
 _KNOWN = {cls.__name__: cls for cls in (StandardScaler, MinMaxScaler, LabelEncoder, Concatenator)}
 

@@ -15,6 +15,7 @@ answering; the switch is one assignment), so no request in flight is dropped.
 # No `from __future__ import annotations` here: Serve's class-based FastAPI views need the
 # route parameters' annotations (`request: Request`) as real types, not strings.
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -23,7 +24,6 @@ import time
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -101,6 +101,12 @@ class _ModelServer:
         self.split: TrafficSplit | None = None
         self.aliases: dict[str, list[str]] = {}
         self.shadow: dict[str, Any] | None = None
+        self.max_batch = 32
+        self._pending: collections.deque = collections.deque()  # (requests, future) waiting for the model
+        self._runner: asyncio.Task | None = None
+        # Serve warns when max_batch_size x max_concurrent_batches exceeds max_ongoing_requests; here
+        # the concurrent "batches" are groups queued for one merged forward pass, so the sum is no limit.
+        logging.getLogger("ray.serve").addFilter(lambda record: "max_concurrent_batches" not in record.getMessage())
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -125,6 +131,7 @@ class _ModelServer:
         if hasattr(self, "_forward"):
             self._forward.set_max_batch_size(config["max_batch_size"])
             self._forward.set_batch_wait_timeout_s(config["batch_wait_timeout_s"])
+        self.max_batch = config["max_batch_size"]
         self.bundles = {v: b for v, b in bundles.items() if v in wanted}
         self.split, self.aliases, self.shadow = split, config.get("aliases", {}), config.get("shadow")
         logger.info("serving %s: split %s, shadow %s", self.model_name, split.percents(), self.shadow)
@@ -226,8 +233,7 @@ class Classifier(_ModelServer):
     example = '{"instances": [[0.0, 1.5, ...]]}'
 
     def warm_up(self, bundle, rows: int) -> None:
-        columns = bundle.schema["feature_columns"]
-        bundle.predict(pd.DataFrame(np.zeros((rows, len(columns))), columns=columns))
+        bundle.predict(np.zeros((rows, len(bundle.schema["feature_columns"]))))
 
     @classifier_api.get("/", summary="What this endpoint serves")
     def describe(self) -> dict[str, Any]:
@@ -280,9 +286,44 @@ class Classifier(_ModelServer):
             raise ApiError(422, f"invalid request: {summary}", fields)
         return out
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, max_concurrent_batches=64)
     async def _forward(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
-        """One forward pass per version for all the requests that arrived together."""
+        """`@serve.batch` groups the requests that arrive together; groups waiting for the model merge.
+
+        Serve closes a batch `batch_wait_timeout_s` after its first request whether or not the
+        model is free, so under load it produces many small batches that then queue for the
+        model. Here they queue in `_pending`, and whenever the model becomes free it runs one
+        forward pass over everything waiting (up to `max_batch_size` requests): full batches
+        under load, and no added latency when quiet.
+        """
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((items, done))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.get_running_loop().create_task(self._run_pending())
+        return await done
+
+    async def _run_pending(self) -> None:
+        while self._pending:
+            groups, count = [], 0
+            while self._pending and (not groups or count + len(self._pending[0][0]) <= self.max_batch):
+                group = self._pending.popleft()
+                groups.append(group)
+                count += len(group[0])
+            merged = [item for items, _ in groups for item in items]
+            try:
+                results = await self._forward_versions(merged)
+            except Exception as e:  # every waiting request learns why
+                for _, done in groups:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            offset = 0
+            for items, done in groups:
+                if not done.done():
+                    done.set_result(results[offset:offset + len(items)])
+                offset += len(items)
+
+    async def _forward_versions(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
         results: list[dict[str, list] | None] = [None] * len(items)
         by_version: dict[str, list[int]] = {}
         for i, (version, _, _) in enumerate(items):
@@ -291,7 +332,7 @@ class Classifier(_ModelServer):
             bundle = items[idx[0]][1]
             rows = np.concatenate([items[i][2] for i in idx])
             start = time.perf_counter()
-            out = await asyncio.to_thread(bundle.predict, pd.DataFrame(rows, columns=bundle.schema["feature_columns"]))
+            out = await asyncio.to_thread(bundle.predict, rows)
             tags = {"model": self.model_name, "version": version}
             self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
             self.m_batch.observe(len(idx), tags=tags)
