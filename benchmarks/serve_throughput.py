@@ -133,7 +133,6 @@ def main() -> None:
             f"model.hidden={args.hidden}", "train.num_workers=1",
             f"serve.port={free_port()}", "serve.replica.num_cpus=1", "serve.autoscaling.min_replicas=1",
             "serve.autoscaling.max_replicas=1", f"serve.batching.max_batch_size={args.batch}",
-            "serve.batching.batch_wait_timeout_s=0.002",
         ])
         outcome = run_training(spec)
         rows, _ = _val_rows(spec)

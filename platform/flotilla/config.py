@@ -389,7 +389,10 @@ class BatchingSpec(_Section):
 
     max_batch_size: int = Field(32, ge=1, description="Requests per forward pass at most.")
     batch_wait_timeout_s: float = Field(
-        0.002, ge=0, description="How long a batch waits for more requests before it runs (latency at low load)."
+        0.0,
+        ge=0,
+        description="How long a group of requests waits for more before it queues for the model. 0 adds no "
+        "latency: requests that arrive while the model is busy merge into its next forward pass anyway.",
     )
 
 
