@@ -81,3 +81,21 @@ def test_serve_section_errors_name_the_field_and_the_fix():
     with pytest.raises(SpecError, match="positive sum"):
         load_spec("configs/digits.yaml", ["serve.traffic={champion: 0}"])
     assert load_spec("configs/digits.yaml").serve.host == "127.0.0.1"  # loopback unless configured otherwise
+
+
+def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders():
+    import importlib
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from flotilla.serve import AppArgs
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(Path("serve_apps/config.yaml").read_text()))
+    assert config.http_options.host == "127.0.0.1"
+    for app in config.applications:
+        module, _, attr = app.import_path.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr))
+        AppArgs.model_validate(app.args)  # unknown keys would fail at deploy time
+        assert app.route_prefix == f"/v1/models/{app.name}"
