@@ -199,6 +199,9 @@ class _ModelServer:
             status = response.status_code
         except ApiError as e:
             response, status = e.response(), e.status
+        except Exception:  # a server fault: counted, then answered 500 by the app's handler
+            self.m_requests.inc(tags={"model": self.model_name, "version": version, "status": "500"})
+            raise
         tags = {"model": self.model_name, "version": version}
         self.m_requests.inc(tags={**tags, "status": str(status)})
         self.m_latency.observe((time.perf_counter() - start) * 1000, tags=tags)
