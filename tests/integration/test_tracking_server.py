@@ -39,14 +39,24 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
             sys.executable, str(ROOT / "pipelines" / "train.py"), "--config", str(ROOT / "configs" / "digits.yaml"),
             "--set", f"track.uri={tracking_server}", "--set", "track.experiment=shared",
             "--set", "track.model_name=digits-shared", "--set", f"train.storage_path={tmp_path / 'runs'}",
+            # Half a CPU per worker: both pipelines (worker + Ray Data's CPU each) fit the 3-CPU cluster
+            # at once, so they really run concurrently instead of one waiting for the other's CPUs.
             "--set", f"train.run_name=concurrent-{i}", "--set", "train.num_workers=1", "--set", "train.epochs=3",
+            "--set", "train.cpus_per_worker=0.5",
             "--set", "track.gate.require=[]",
         ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path))
     outputs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=900)
-        outputs.append(out)
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=900)
+            outputs.append(out)
+    finally:  # a failed or hung pipeline must not outlive the test and hold the cluster's CPUs
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:]
     for out in outputs:
         assert "database is locked" not in out.lower()

@@ -205,7 +205,17 @@ class Tracker:
             digest=prepared.fingerprint[:16],  # MLflow keeps 36 characters; the full hash is a run tag
         )
         tags = [InputTag("mlflow.data.context", "training"), InputTag("flotilla.data_fingerprint", prepared.fingerprint)]
-        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
+        for attempt in range(4):
+            try:
+                self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
+                return
+            except MlflowException as e:
+                # Two runs of the same data starting together race in MLflow's store: both see no
+                # dataset row, both insert it, one fails on the unique key. Once the other's insert
+                # has committed, a retry finds the row and only links this run to it.
+                if attempt == 3 or not any(k in str(e) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint")):
+                    raise
+                time.sleep(0.5 * (attempt + 1))
 
     def _log_model(self, bundle_dir: Path, prepared) -> str:
         from mlflow.models import infer_signature
