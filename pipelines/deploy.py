@@ -46,15 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delete", action="store_true", help="remove the endpoint")
     args = parser.parse_args(argv)
     try:
+        from flotilla.serve import deploy, plan_deployment, traffic_override
+
         overrides = list(args.overrides)
         if args.split:
-            overrides.append(f"serve.traffic={split_to_yaml(args.split)}")
+            overrides.append(traffic_override(args.split))
         if args.promote:
             overrides.append("serve.traffic={champion: 100}")
         spec = load_spec(args.config, overrides)  # validated before Ray starts
-
-        from flotilla.serve import deploy, plan_deployment
-
         if args.delete:
             return delete(spec, args.model)
         if args.promote:
@@ -82,20 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def split_to_yaml(text: str) -> str:
-    pairs = [p.partition("=") for p in text.split(",") if p.strip()]
-    bad = [p[0] for p in pairs if not p[1]]
-    if bad:
-        raise SpecError([f"--split {text!r}: each part is TARGET=WEIGHT, e.g. champion=90,candidate=10"], "--split")
-    return "{" + ", ".join(f"{k.strip()!r}: {v.strip()}" for k, _, v in pairs) + "}"
-
-
 def promote_candidate(spec, model: str | None, tracking_uri: str | None) -> str:
     from mlflow import MlflowClient
 
     from flotilla.track import CANDIDATE, CHAMPION, alias_version, resolve_tracking_uri, set_alias
 
-    name = model or spec.serve.model or spec.track.model_name or spec.name
+    from flotilla.serve import served_model
+
+    name = served_model(spec, model)
     uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
     client = MlflowClient(uri)
     version = alias_version(client, name, CANDIDATE)
@@ -109,8 +102,10 @@ def delete(spec, model: str | None) -> int:
 
     from flotilla.train import ensure_ray
 
+    from flotilla.serve import served_model
+
     ensure_ray()
-    name = model or spec.serve.model or spec.track.model_name or spec.name
+    name = served_model(spec, model)
     serve.delete(name)
     print(f"deleted the endpoint {name}")
     return 0

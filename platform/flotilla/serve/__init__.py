@@ -6,7 +6,16 @@
 """
 
 from flotilla.serve._builder import AppArgs, build_app
-from flotilla.serve._deploy import DeploymentPlan, Endpoint, build_application, deploy, plan_deployment, sample_request
+from flotilla.serve._deploy import (
+    DeploymentPlan,
+    Endpoint,
+    build_application,
+    deploy,
+    plan_deployment,
+    sample_request,
+    served_model,
+    traffic_override,
+)
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
 from flotilla.serve._server import VERSION_HEADER, Classifier, Generator, load_version
@@ -27,5 +36,7 @@ __all__ = [
     "load_version",
     "plan_deployment",
     "sample_request",
+    "served_model",
     "sticky_point",
+    "traffic_override",
 ]

@@ -34,7 +34,7 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: dict, kind: str):
-    from flotilla.serve._deploy import build_application, plan_deployment
+    from flotilla.serve._deploy import build_application, plan_deployment, traffic_override
 
     parsed = AppArgs.model_validate(args or {})
     overrides = []
@@ -44,8 +44,7 @@ def build_app(args: dict, kind: str):
     if parsed.alias or parsed.version:
         overrides.append(f"serve.traffic={{{(parsed.alias or parsed.version)!r}: 100}}")
     elif parsed.traffic:
-        pairs = [p.partition("=") for p in parsed.traffic.split(",") if p.strip()]
-        overrides.append("serve.traffic={" + ", ".join(f"{k.strip()!r}: {w.strip()}" for k, _, w in pairs) + "}")
+        overrides.append(traffic_override(parsed.traffic))
     spec = load_spec(_config_path(parsed.config) if parsed.config else DEFAULT_CONFIGS[kind], overrides)
     plan = plan_deployment(spec, model=parsed.model, tracking_uri=parsed.tracking_uri)
     if plan.kind != kind:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.config import RunSpec, ServeSpec
-from flotilla.errors import ServeError, TrackingError
+from flotilla.errors import ServeError, SpecError, TrackingError
 from flotilla.serve._server import Classifier, Generator, replica_limits
 
 APP_KINDS = {"classifier": Classifier, "generator": Generator}
@@ -62,13 +62,26 @@ class Endpoint:
     notes: list[str] = field(default_factory=list)
 
 
+def served_model(spec: RunSpec, model: str | None = None) -> str:
+    """The registered model an endpoint serves: `model`, else serve.model, track.model_name, name."""
+    return model or spec.serve.model or spec.track.model_name or spec.name
+
+
+def traffic_override(split: str) -> str:
+    """`champion=90,candidate=10` → the `--set` override `serve.traffic={'champion': 90, ...}`."""
+    pairs = [p.partition("=") for p in split.split(",") if p.strip()]
+    if not pairs or any(not sep for _, sep, _ in pairs):
+        raise SpecError([f"traffic {split!r}: each part is TARGET=WEIGHT, e.g. champion=90,candidate=10"], "traffic split")
+    return "serve.traffic={" + ", ".join(f"{k.strip()!r}: {w.strip()}" for k, _, w in pairs) + "}"
+
+
 def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None) -> DeploymentPlan:
     """Resolve the spec's traffic targets against the registry and decide the app kind."""
     from mlflow import MlflowClient
 
     from flotilla.track import alias_version, check_tracking_uri, resolve_tracking_uri
 
-    name = model or spec.serve.model or spec.track.model_name or spec.name
+    name = served_model(spec, model)
     uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
     check_tracking_uri(uri)
     client = MlflowClient(uri)
@@ -156,7 +169,7 @@ def build_application(plan: DeploymentPlan):
         health_check_timeout_s=s.health_check_timeout_s,
         user_config=plan.user_config(),
     )
-    return deployment.bind(plan.model, plan.tracking_uri, replica_limits(s, s.replica.num_cpus))
+    return deployment.bind(plan.model, plan.tracking_uri, replica_limits(s))
 
 
 def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:

@@ -420,8 +420,9 @@ class Generator(_ModelServer):
         yield "data: [DONE]\n\n"
 
 
-def replica_limits(spec_serve, num_cpus: float) -> dict[str, Any]:
-    s = spec_serve
+def replica_limits(s) -> dict[str, Any]:
+    """What a replica's constructor needs from the spec's `serve` section."""
+    num_cpus = s.replica.num_cpus
     return {
         "max_body_bytes": s.max_body_bytes,
         "max_instances": s.max_instances,
