@@ -176,6 +176,12 @@ class TrainSpec(_Section):
     checkpoints_to_keep: int = Field(
         2, ge=1, description="Checkpoints kept per run; more than one lets a torn latest fall back to the one before."
     )
+    scale_up_timeout_s: float = Field(
+        600,
+        ge=0,
+        description="On a running cluster too small for the workers: how long to wait for its autoscaler to add "
+        "nodes before failing (a cluster whose autoscaler launches nothing fails after ~30 s).",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "TrainSpec":
@@ -481,6 +487,20 @@ class ServeSpec(_Section):
         return self
 
 
+# ------------------------------------------------------------------------ cost
+class CostSpec(_Section):
+    """Prices for the resource accounting of runs and sweeps (CPU-hours, GPU-hours, cost)."""
+
+    cpu_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one CPU for one hour. Null: from the nodes' `flotilla.io/price-per-hour` "
+        "labels (cluster.yaml), else no cost estimate."
+    )
+    gpu_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one GPU for one hour (null: from the node labels, as cpu_hour)."
+    )
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="Currency of the prices (ISO 4217 code).")
+
+
 # ---------------------------------------------------------------------------- spec
 class RunSpec(_Section):
     """One reproducible run."""
@@ -494,6 +514,7 @@ class RunSpec(_Section):
     track: TrackSpec = Field(default_factory=TrackSpec, description="Experiment tracking and the model registry.")
     tune: Optional[TuneSpec] = Field(None, description="A hyperparameter sweep over this spec (`tune/sweep.py`).")
     serve: ServeSpec = Field(default_factory=ServeSpec, description="The HTTP endpoint (`pipelines/deploy.py`).")
+    cost: CostSpec = Field(default_factory=CostSpec, description="Prices for resource accounting.")
 
     @model_validator(mode="before")
     @classmethod

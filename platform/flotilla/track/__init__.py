@@ -18,7 +18,15 @@ from flotilla.track._registry import (
     rollback_champion,
     set_alias,
 )
-from flotilla.track._run import EpochMetricsLogger, Registration, Tracker, flatten, log_params, open_tracker
+from flotilla.track._run import (
+    EpochMetricsLogger,
+    Registration,
+    Tracker,
+    flatten,
+    log_params,
+    log_resources,
+    open_tracker,
+)
 from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "evaluate_bundles",
     "flatten",
     "log_params",
+    "log_resources",
     "open_tracker",
     "resolve_tracking_uri",
     "rollback_champion",

@@ -148,6 +148,8 @@ class Tracker:
                 metrics=[Metric("wall_time_s", wall_time_s, int(time.time() * 1000), int(final["epoch"]))],
                 tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend") if k in final],
             )
+            if outcome.resources is not None:
+                self.log_resources(outcome.resources)
             with tempfile.TemporaryDirectory(prefix="flotilla-track-") as tmp:
                 curve = plot_training_curves(history, Path(tmp) / "training_curves.png", self.run_name)
                 self.client.log_artifact(self.run_id, str(curve))
@@ -162,14 +164,20 @@ class Tracker:
             self.fail(e)
             raise TrackingError(f"recording run {self.run_name!r} in MLflow at {self.uri} failed: {e.message}") from None
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, resources=None) -> None:
         if self.run_id is None:
             return
         try:
+            if resources is not None:
+                self.log_resources(resources)
             self.client.set_tag(self.run_id, "flotilla.error", str(error)[:4000])
             self.client.set_terminated(self.run_id, "FAILED")
         except Exception:  # the original error matters more than this one
             pass
+
+    def log_resources(self, use) -> None:
+        """CPU-hours, GPU-hours, wall time and the estimated cost (a `flotilla.cluster.ResourceUse`)."""
+        log_resources(self.client, self.run_id, use)
 
     # ---------------------------------------------------------------- helpers
     def _experiment_id(self) -> str:
@@ -300,6 +308,14 @@ class Tracker:
             return
         compare_with_champion(decision, self.spec.track.gate, task, values[0],
                               values[1] if current is not None else None, current, rows)
+
+
+def log_resources(client: MlflowClient, run_id: str, use) -> None:
+    now = int(time.time() * 1000)
+    tags = [RunTag("flotilla.cost_currency", use.currency)]
+    if use.price_source:
+        tags.append(RunTag("flotilla.price_source", use.price_source))
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in use.metrics().items()], tags=tags)
 
 
 def open_tracker(spec: RunSpec, run_name: str, tags: dict[str, str] | None = None) -> Tracker | None:

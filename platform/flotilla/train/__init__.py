@@ -23,6 +23,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 import flotilla
+from flotilla.cluster import ResourceUse, prices_for, resource_use, wait_for_room
 from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError
@@ -47,6 +48,7 @@ __all__ = [
     "measured_peak_flops",
     "optimizer_steps",
     "resolve_precision",
+    "run_resources",
     "run_training",
     "started_local_ray",
     "train_loop_per_worker",
@@ -66,6 +68,7 @@ class TrainingOutcome:
     mlflow_run_id: str | None = None
     tracking_uri: str | None = None
     registration: Any = None  # flotilla.track.Registration when the bundle was registered
+    resources: ResourceUse | None = None  # what the workers held while training, and its cost
 
 
 # Ray Data's read and transform tasks need a CPU slot of their own while the workers hold
@@ -104,26 +107,38 @@ def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
         needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
-    ray.init(runtime_env={"py_modules": [PACKAGE_DIR]}, **init_kwargs)
+    # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
+    # local fake cluster needs it: its nodes share one runtime_resources directory, and each
+    # node that unpacks a shipped package deletes the copy the others are running from.
+    ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
+    ray.init(runtime_env={"py_modules": [PACKAGE_DIR]} if ship else None, **init_kwargs)
 
 
 def check_cluster_fits(spec: RunSpec) -> None:
-    """Fail fast when the workers can never be placed, instead of pending forever."""
+    """Fail fast when the workers can never be placed, instead of pending forever.
+
+    On a running cluster a shortfall first goes to its autoscaler, which has
+    `train.scale_up_timeout_s` to add the nodes (see `flotilla.cluster.wait_for_room`).
+    """
     t = spec.train
-    total = ray.cluster_resources()
-    need = {"CPU": t.num_workers * t.cpus_per_worker, "GPU": t.num_workers * t.gpus_per_worker}
+    worker = {"CPU": t.cpus_per_worker, "GPU": t.gpus_per_worker}
+    need = {"CPU": t.num_workers * t.cpus_per_worker + DATA_CPUS, "GPU": t.num_workers * t.gpus_per_worker}
+    missing = wait_for_room(need, [worker] * t.num_workers + [{"CPU": DATA_CPUS}],
+                            timeout_s=t.scale_up_timeout_s, may_wait=not started_local_ray(),
+                            label=t.run_name or spec.name)
     problems = []
-    for resource, amount in need.items():
-        have = total.get(resource, 0.0)
-        extra = DATA_CPUS if resource == "CPU" else 0
-        if amount + extra > have:
-            per = "cpus_per_worker" if resource == "CPU" else "gpus_per_worker"
-            data_note = f" plus {DATA_CPUS} for Ray Data's input pipeline" if extra else ""
-            problems.append(
-                f"train.num_workers={t.num_workers} x train.{per}={getattr(t, per):g} needs {amount:g} {resource}s"
-                f"{data_note}, but the cluster has {have:g} in all; lower train.num_workers or train.{per}, or add nodes"
-            )
+    for resource, (amount, have) in missing.items():
+        per = "cpus_per_worker" if resource == "CPU" else "gpus_per_worker"
+        data_note = f" plus {DATA_CPUS} for Ray Data's input pipeline" if resource == "CPU" else ""
+        problems.append(
+            f"train.num_workers={t.num_workers} x train.{per}={getattr(t, per):g} needs "
+            f"{amount - (DATA_CPUS if resource == 'CPU' else 0):g} {resource}s{data_note}, but the cluster has "
+            f"{have:g} in all; lower train.num_workers or train.{per}, or add nodes"
+        )
     if problems:
+        if not started_local_ray():
+            problems.append(f"no autoscaler added the nodes within train.scale_up_timeout_s={t.scale_up_timeout_s:g} s "
+                            "(check `ray status` and the node types' max_workers)")
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
@@ -180,14 +195,17 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
         ),
         datasets={"train": prepared.train, "val": prepared.val},
     )
+    fit_started = time.monotonic()
     try:
         result = trainer.fit()
         if result.checkpoint is None:
             raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
     except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
         error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
+        use = run_resources(spec, time.monotonic() - fit_started)
+        print(f"[{run_name}] {use.describe()}", flush=True)
         if tracker is not None:
-            tracker.fail(error)
+            tracker.fail(error, use)
         if error is e:
             raise
         raise error from e
@@ -203,6 +221,8 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
     )
     with fs.open_input_stream(f"{bundle_fs_path}/metrics.json") as f:
         bundle_metrics = json.loads(f.read())
+    use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"))
+    print(f"[{run_name}] {use.describe()}", flush=True)
     outcome = TrainingOutcome(
         run_name=run_name,
         run_dir=f"{storage}/{run_name}",
@@ -210,12 +230,25 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
         metrics=bundle_metrics["final"],
         history=bundle_metrics["history"],
         fingerprint=prepared.fingerprint,
+        resources=use,
     )
     if tracker is not None:
         outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
         with local_copy(fs, bundle_fs_path) as local_bundle:
             outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
     return outcome
+
+
+def run_resources(spec: RunSpec, wall_time_s: float, worker_nodes: list[str] | None = None) -> ResourceUse:
+    """What a run's reservation (its workers plus Ray Data's CPU) held for `wall_time_s`, priced by the
+    spec or by the price labels of the nodes its workers ran on."""
+    t = spec.train
+    return resource_use(
+        wall_time_s,
+        cpus=t.num_workers * t.cpus_per_worker + DATA_CPUS,
+        gpus=t.num_workers * t.gpus_per_worker,
+        prices=prices_for(spec.cost, worker_nodes),
+    )
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from flotilla.data import FEATURES, TOKENS
 from flotilla.models import build_model, flops_per_token
 from flotilla.train import _checkpoint
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
+from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
 
 BUNDLE_DIR = "bundle"
@@ -80,6 +81,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     is_lm = schema["task"] == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
     attempt = _broadcast(uuid.uuid4().hex[:6] if rank == 0 else None)
+    # Where each rank runs: the driver prices the run by these nodes' price labels.
+    worker_nodes = _all_gather(ray.get_runtime_context().get_node_id())
+    live = TrainingMetrics(
+        config["run_name"], rank,
+        tokens_per_sample=schema["context"] if is_lm else None,
+        flops_per_token=flops_per_token(model_spec, num_params) if is_lm else None,
+        peak_flops=peak,
+    )
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
     batch_dtypes = _batch_dtypes(schema)
@@ -87,6 +96,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     for epoch in range(start_epoch, t.epochs):
         engine.train()
         loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
+        live.start_epoch()
+        step_started = started
         for batch in train_shard.iter_torch_batches(
             batch_size=t.batch_size,
             dtypes=batch_dtypes,
@@ -99,8 +110,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.item() * len(targets)
+            step_loss = loss.item()
+            loss_sum += step_loss * len(targets)
             samples += len(targets)
+            now = time.perf_counter()
+            live.step(now - step_started, len(targets), step_loss)
+            step_started = now
             if schema["task"] == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
         train_time = time.perf_counter() - started
@@ -137,11 +152,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             metrics["resumed_from_step"] = resumed_from
         history.append(metrics)
         final = epoch + 1 == t.epochs
+        live.end_epoch(epoch + 1, samples / train_time if train_time > 0 else 0.0, metrics["val_loss"])
+        checkpoint_started = time.perf_counter()
 
         with tempfile.TemporaryDirectory(prefix="flotilla-ckpt-") as directory:
             if final:
                 _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
-                              metrics, history, val["probe"])
+                              metrics, history, val["probe"], worker_nodes)
             state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
             _checkpoint.save(engine, directory, rank, world, state)
             ray.train.report(
@@ -149,6 +166,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 checkpoint=ray.train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=f"checkpoint_epoch{epoch + 1:04d}_{attempt}",
             )
+        live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
             print(format_epoch(config["run_name"], metrics, t.epochs), flush=True)
 
@@ -226,7 +244,7 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe):
+def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe, worker_nodes):
     state = consolidated_fp32_state_dict(engine)
     engine.eval()
     with torch.no_grad():  # every rank runs the probe: ZeRO-3's forward is collective
@@ -252,6 +270,7 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
             "history": history,
             "fingerprint": config["fingerprint"],
             "run_name": config["run_name"],
+            "worker_nodes": worker_nodes,
             "bundle_check_max_abs_diff": check,
         },
     )
@@ -261,6 +280,12 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, value)
+    return box
 
 
 def _broadcast(value: Any) -> Any:

@@ -1,0 +1,184 @@
+"""The cluster a run lands on: room for its workers, its autoscaler, and what the run cost.
+
+    problems = wait_for_room(need, bundles, timeout_s=600, may_wait=True)
+    use = resource_use(wall_s, cpus=3, gpus=0, prices=spec.cost, nodes=worker_node_ids)
+    print(use.describe()); tracker.log_resources(use)
+
+Node prices come from the spec (`cost.cpu_hour`, `cost.gpu_hour`) or, when the spec gives none,
+from the label `flotilla.io/price-per-hour` that `cluster.yaml` puts on each node type: a node's
+hourly price is split evenly over its GPUs (GPU nodes) or its CPUs (CPU-only nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import ray
+
+PRICE_LABEL = "flotilla.io/price-per-hour"
+# After asking the autoscaler for nodes: if it has launched nothing by then, it never will
+# (every node type too small, max_workers reached, or no autoscaler at all).
+_NOTHING_LAUNCHED_S = 30.0
+
+
+# -------------------------------------------------------------------- capacity
+def shortfall(need: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{resource: (needed, the cluster's total)} for each resource the cluster has too little of."""
+    total = ray.cluster_resources()
+    return {r: (amount, total.get(r, 0.0)) for r, amount in need.items() if amount > total.get(r, 0.0) + 1e-9}
+
+
+def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, timeout_s: float, may_wait: bool,
+                  label: str = "flotilla") -> dict[str, tuple[float, float]]:
+    """Make room for `need` (the sum of `bundles`) on the cluster; return what is still missing.
+
+    On a running cluster (`may_wait`) a shortfall is a request to its autoscaler
+    (`ray.autoscaler.sdk.request_resources`): wait until the nodes have joined, for at most
+    `timeout_s`, and give up after ~30 s if the autoscaler launched nothing. A local cluster
+    that this process started has no autoscaler: its shortfall is returned at once.
+    """
+    missing = shortfall(need)
+    if not missing or not may_wait or timeout_s <= 0:
+        return missing
+    from ray.autoscaler.sdk import request_resources
+
+    started = time.monotonic()
+    wanted = ", ".join(f"{amount:g} {r}" for r, amount in need.items() if amount)
+    print(f"[{label}] the cluster has {_totals(missing)}; asking its autoscaler for {wanted} "
+          f"(waiting up to {timeout_s:.0f} s)", flush=True)
+    request_resources(bundles=[{k: v for k, v in b.items() if v} for b in bundles])
+    launched = False
+    try:
+        while missing:
+            elapsed = time.monotonic() - started
+            if elapsed > timeout_s:
+                break
+            launched = launched or _autoscaler_launching()
+            if not launched and elapsed > _NOTHING_LAUNCHED_S:
+                break
+            time.sleep(2.0)
+            missing = shortfall(need)
+    finally:
+        # The request has done its work (or failed): withdraw it, so that nodes this run does not
+        # use go idle and the autoscaler removes them after their idle timeout.
+        request_resources(bundles=[])
+    if not missing:
+        print(f"[{label}] nodes joined after {time.monotonic() - started:.0f} s; the cluster now has "
+              f"{_totals(need)}", flush=True)
+    return missing
+
+
+def _totals(resources: dict[str, Any]) -> str:
+    total = ray.cluster_resources()
+    return ", ".join(f"{total.get(r, 0.0):g} {r}" for r in resources)
+
+
+def _autoscaler_launching() -> bool:
+    """True when the autoscaler reports nodes being launched or set up (autoscaler v1's status)."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        report = json.loads(raw).get("autoscaler_report") or {} if raw else {}
+    except Exception:  # no status to read: say nothing launched; the 30 s rule decides
+        return False
+    return bool(report.get("pending_launches") or report.get("pending_nodes"))
+
+
+# ------------------------------------------------------------------------ cost
+@dataclass
+class Prices:
+    cpu_hour: float | None  # per CPU-hour
+    gpu_hour: float | None  # per GPU-hour
+    currency: str
+    source: str  # "the spec's cost section" | "node labels" | ""
+
+    @property
+    def known(self) -> bool:
+        return self.cpu_hour is not None or self.gpu_hour is not None
+
+
+@dataclass
+class ResourceUse:
+    """What one run or sweep held, for how long, and (with prices) what that cost."""
+
+    wall_time_s: float
+    cpu_hours: float
+    gpu_hours: float
+    cost: float | None = None
+    currency: str = "USD"
+    price_source: str = ""
+
+    def __add__(self, other: "ResourceUse") -> "ResourceUse":
+        cost = None if self.cost is None and other.cost is None else (self.cost or 0.0) + (other.cost or 0.0)
+        return ResourceUse(self.wall_time_s + other.wall_time_s, self.cpu_hours + other.cpu_hours,
+                           self.gpu_hours + other.gpu_hours, cost, self.currency, self.price_source or other.price_source)
+
+    def describe(self) -> str:
+        text = (f"resources: {self.cpu_hours:.4f} CPU-hours, {self.gpu_hours:.4f} GPU-hours "
+                f"over {self.wall_time_s:.1f} s")
+        if self.cost is None:
+            return text + "; no prices given (set cost.cpu_hour / cost.gpu_hour, or label the nodes in cluster.yaml)"
+        return text + f"; estimated cost {self.cost:.4f} {self.currency} (prices from {self.price_source})"
+
+    def metrics(self) -> dict[str, float]:
+        """The numbers as MLflow metrics."""
+        m = {"resource_wall_time_s": self.wall_time_s, "cpu_hours": self.cpu_hours, "gpu_hours": self.gpu_hours}
+        if self.cost is not None:
+            m["estimated_cost"] = self.cost
+        return m
+
+
+def node_prices(node_ids: Iterable[str] | None = None) -> tuple[float | None, float | None]:
+    """(per CPU-hour, per GPU-hour) from the price labels of the given nodes (all alive nodes when
+    None), averaged over the nodes that carry one; None where no such node has a label."""
+    wanted = set(node_ids) if node_ids is not None else None
+    cpu_rates, gpu_rates = [], []
+    for node in ray.nodes():
+        if not node.get("Alive") or (wanted is not None and node["NodeID"] not in wanted):
+            continue
+        label = (node.get("Labels") or {}).get(PRICE_LABEL)
+        try:
+            price = float(label) if label is not None else math.nan
+        except ValueError:
+            price = math.nan
+        if not math.isfinite(price) or price < 0:
+            continue
+        resources = node.get("Resources") or {}
+        if resources.get("GPU"):
+            gpu_rates.append(price / resources["GPU"])
+        elif resources.get("CPU"):
+            cpu_rates.append(price / resources["CPU"])
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return mean(cpu_rates), mean(gpu_rates)
+
+
+def prices_for(cost_spec, node_ids: Iterable[str] | None = None) -> Prices:
+    """The spec's prices when it gives any, else the nodes' price labels."""
+    if cost_spec.cpu_hour is not None or cost_spec.gpu_hour is not None:
+        return Prices(cost_spec.cpu_hour, cost_spec.gpu_hour, cost_spec.currency, "the spec's cost section")
+    cpu, gpu = node_prices(node_ids) if ray.is_initialized() else (None, None)
+    if node_ids is not None and cpu is None and gpu is None and ray.is_initialized():
+        cpu, gpu = node_prices(None)  # the workers' nodes are gone (scaled down): the cluster's prices
+    source = f"node labels ({PRICE_LABEL})" if cpu is not None or gpu is not None else ""
+    return Prices(cpu, gpu, cost_spec.currency, source)
+
+
+def resource_use(wall_time_s: float, cpus: float, gpus: float, prices: Prices) -> ResourceUse:
+    """`cpus` CPUs and `gpus` GPUs held for `wall_time_s` seconds, priced where prices are known.
+
+    GPU nodes are priced per GPU (their CPUs come with them); CPUs are priced per CPU-hour.
+    """
+    hours = wall_time_s / 3600.0
+    use = ResourceUse(wall_time_s, cpus * hours, gpus * hours, currency=prices.currency, price_source=prices.source)
+    if prices.known:
+        use.cost = use.gpu_hours * (prices.gpu_hour or 0.0)
+        # A node label prices a GPU node per GPU, its CPUs included; the spec prices each resource.
+        if not (gpus and prices.gpu_hour is not None and prices.source.startswith("node labels")):
+            use.cost += use.cpu_hours * (prices.cpu_hour or 0.0)
+    return use
