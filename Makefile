@@ -10,7 +10,7 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune benchmark-serve
+.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune benchmark-serve cluster-local
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ benchmark-tune: $(VENV)/.installed
 
 benchmark-serve: $(VENV)/.installed
 	$(PY) benchmarks/serve_throughput.py
+
+# Autoscaling on this machine: cluster.local.yaml's head (no CPUs), a training job that needs
+# worker nodes, the autoscaler adding them and removing them when idle; stops what it started.
+cluster-local: $(VENV)/.installed
+	$(PY) ops/local_autoscaling.py
 
 clean:
 	rm -rf runs mlruns .pytest_cache

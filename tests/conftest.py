@@ -14,6 +14,9 @@ os.environ.setdefault(
     "sqlite:///" + os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "mlflow", "mlflow.db")),
 )
 
+# Ray exports application metrics every 10 s by default; a test run lasts seconds. Set before any
+# local Ray starts, so its processes (and the workers they spawn) export every 2 s.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 @pytest.fixture(autouse=True)
 def _restore_environment():

@@ -1,4 +1,4 @@
-"""Real services for tests: a PostgreSQL server and an MLflow tracking server backed by it.
+"""Real services for tests: a PostgreSQL server, an MLflow tracking server backed by it, and Prometheus.
 
 Each is started on 127.0.0.1 with a free port and a temporary directory, and stopped — with
 exactly what was started — when the `with` block ends, whatever happened inside it.
@@ -107,3 +107,63 @@ def mlflow_server(backend_store_uri: str, artifacts: Path, timeout_s: float = 18
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+
+
+def _ensure_prometheus_installed() -> str:
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    if os.geteuid() == 0 and shutil.which("apt-get"):  # Debian's package, as the machine notes say
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
+        if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True, timeout=600)
+            subprocess.run(install, check=True, env=env, capture_output=True, timeout=900)
+        # The package starts its own service where it can; the tests run their own server only.
+        subprocess.run(["systemctl", "disable", "--now", "prometheus"], capture_output=True, timeout=60)
+    found = shutil.which("prometheus")
+    if not found:
+        raise RuntimeError("`prometheus` is not installed and could not be installed with apt-get; "
+                           "install Debian's `prometheus` package")
+    return found
+
+
+@contextlib.contextmanager
+def prometheus_server(config: dict, timeout_s: float = 120):
+    """Yield the URL of a Prometheus server on 127.0.0.1 running `config` (a parsed prometheus.yml)."""
+    import yaml
+
+    binary = _ensure_prometheus_installed()
+    root = Path(tempfile.mkdtemp(prefix="flotilla-prom-"))
+    (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(root / "log", "w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={root / 'prometheus.yml'}", f"--web.listen-address=127.0.0.1:{port}",
+         f"--storage.tsdb.path={root / 'data'}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {proc.returncode}: {(root / 'log').read_text()[-2000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prometheus was not ready within {timeout_s:.0f}s: {(root / 'log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Monitoring: a real Prometheus, configured from ops/prometheus.yml, scrapes the local Ray cluster
+while a training run and a Serve endpoint work; Flotilla's metrics come back through its HTTP API,
+and every query of ops/grafana/flotilla.json is valid against it."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from flotilla.train import run_training
+from tests.integration._helpers import ROOT, digits_spec, digits_val_rows
+from tests.services import free_port, prometheus_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+EPOCHS = 6
+
+
+@pytest.fixture(scope="module")
+def prometheus(ray_cluster):
+    import ray
+
+    # ops/prometheus.yml as shipped, pointed at this session's discovery file and scraping often.
+    node = ray._private.worker.global_worker.node
+    discovery = Path(node.get_session_dir_path()) / "prom_metrics_service_discovery.json"
+    deadline = time.monotonic() + 60
+    while not discovery.exists():
+        assert time.monotonic() < deadline, f"Ray never wrote {discovery}"
+        time.sleep(1)
+    config = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    sd = config["scrape_configs"][0]["file_sd_configs"][0]
+    assert sd["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]  # Ray's default temp dir
+    sd["files"], sd["refresh_interval"] = [str(discovery)], "2s"
+    with prometheus_server(config) as url:
+        yield url
+
+
+def query(url: str, expr: str) -> list[dict]:
+    body = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=30).json()
+    assert body["status"] == "success", f"{expr}: {body}"
+    return body["data"]["result"]
+
+
+def wait_for_value(url: str, expr: str, timeout_s: float = 60) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = query(url, expr)
+        if result:
+            return float(result[0]["value"][1])
+        assert time.monotonic() < deadline, f"Prometheus returned nothing for {expr} within {timeout_s:.0f}s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def trained(prometheus, tmp_path_factory):
+    store = tmp_path_factory.mktemp("monitoring")
+    spec = digits_spec(store, f"train.epochs={EPOCHS}", "train.run_name=monitored", "track.gate.require=[]")
+    return spec, run_training(spec)
+
+
+def test_training_metrics_reach_prometheus(prometheus, trained):
+    spec, outcome = trained
+    run = f'run="{outcome.run_name}"'
+    # Per-rank throughput, summed over ranks: positive and of the order the run itself reported.
+    throughput = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_per_s{{{run}}}))[10m:1s])")
+    best_epoch = max(m["samples_per_s"] for m in outcome.history)
+    assert 0 < throughput < 3 * best_epoch, (throughput, best_epoch)
+    # Samples counted by the ranks: at least one exported epoch, never more than the run processed.
+    samples = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_total{{{run}}}))[10m:1s])")
+    assert 0 < samples <= EPOCHS * 1445, samples  # 1445 train rows per epoch
+    loss = wait_for_value(prometheus, f"min_over_time((avg by (run) (ray_flotilla_train_loss{{{run}}}))[10m:1s])")
+    assert 0 < loss < 2.5, loss  # cross-entropy over 10 classes starts near ln(10) = 2.3 and falls
+    steps = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_step_seconds_count{{{run}}}))[10m:1s])")
+    assert steps > 0
+    ranks = query(prometheus, f"count by (run) (last_over_time(ray_flotilla_train_loss{{{run}}}[10m]))")
+    assert float(ranks[0]["value"][1]) == spec.train.num_workers
+
+
+def test_serving_metrics_reach_prometheus(prometheus, trained):
+    from ray import serve
+
+    from flotilla.serve import deploy, plan_deployment
+
+    spec, _ = trained
+    port = free_port()
+    served = spec.model_copy(update={"serve": spec.serve.model_copy(update={
+        "port": port, "replica": spec.serve.replica.model_copy(update={"num_cpus": 0.5})})})
+    try:
+        app = deploy(plan_deployment(served))
+        rows, _ = digits_val_rows(spec)
+        for i in range(12):
+            r = requests.post(app.url + "/predict", json={"instances": rows.iloc[i:i + 2].to_numpy().tolist()}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert requests.post(app.url + "/predict", json={"instances": []}, timeout=60).status_code == 422
+        ok = 'model="digits", version="1", status="200"'
+        assert wait_for_value(prometheus, f"sum(ray_flotilla_requests_total{{{ok}}}) >= 12") >= 12
+        assert wait_for_value(prometheus, 'sum(ray_flotilla_requests_total{model="digits", status="422"})') >= 1
+        assert wait_for_value(prometheus, 'sum(ray_flotilla_forward_latency_ms_count{model="digits"})') >= 1
+        assert wait_for_value(prometheus, "sum(ray_serve_deployment_replica_healthy)") >= 1
+        check_dashboard_queries(prometheus)
+    finally:
+        serve.shutdown()
+
+
+def check_dashboard_queries(url: str) -> None:
+    """Every panel's query parses and runs; the training and serving panels show this session's data."""
+    dashboard = json.loads((ROOT / "ops" / "grafana" / "flotilla.json").read_text())
+    queries = [
+        (panel["title"], re.sub(r"\$(run|model)\b", ".*", target["expr"]))
+        for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
+    assert len(queries) > 20
+    with_data: set[str] = set()
+    deadline = time.monotonic() + 30  # a rate() needs two scrapes of a series that may be seconds old
+    wanted = {"Throughput (samples/s)", "Loss", "Step time p50 / p99", "Requests per second",
+              "Request latency p50 / p99", "Batch size", "Replicas", "CPU per node"}
+    while True:
+        for title, expr in queries:
+            if query(url, f"last_over_time(({expr})[10m:5s])"):  # raises on a query Prometheus rejects
+                with_data.add(title)
+        if wanted <= with_data or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert wanted <= with_data, f"panels without data: {sorted(wanted - with_data)}"
