@@ -28,7 +28,8 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def champion(ray_cluster, store):
-    spec = digits_spec(store)  # as `make demo` runs it: ZeRO-2, 2 workers, gate val_accuracy >= 0.95
+    # As `make demo` runs it (ZeRO-2, 2 workers, gate val_accuracy >= 0.95), with a CPU price.
+    spec = digits_spec(store, "cost.cpu_hour=0.05", "cost.currency=EUR")
     return spec, run_training(spec)
 
 
@@ -62,6 +63,14 @@ def test_the_run_is_recorded_in_mlflow(champion):
         assert [m.step for m in history] == list(range(1, spec.train.epochs + 1)), key
     assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.metrics["val_accuracy"])
     assert run.data.metrics["wall_time_s"] > 0
+    # Resource accounting: 2 workers x 1 CPU + 1 CPU for Ray Data, priced by the spec.
+    m = run.data.metrics
+    assert m["cpu_hours"] == pytest.approx(3 * m["resource_wall_time_s"] / 3600)
+    assert m["gpu_hours"] == 0 and 0 < m["resource_wall_time_s"] <= m["wall_time_s"]
+    assert m["estimated_cost"] == pytest.approx(0.05 * m["cpu_hours"])
+    assert outcome.resources.cost == pytest.approx(m["estimated_cost"])
+    assert run.data.tags["flotilla.cost_currency"] == "EUR"
+    assert run.data.tags["flotilla.price_source"] == "the spec's cost section"
     tags = run.data.tags
     assert tags["flotilla.data_fingerprint"] == outcome.fingerprint
     assert tags["flotilla.precision"] == outcome.metrics["precision"] and tags["flotilla.zero_stage"] == "2"

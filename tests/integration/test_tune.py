@@ -58,6 +58,14 @@ def test_asha_sweep_stops_weak_trials_and_registers_the_best(ray_cluster, tmp_pa
     assert by_name[best.run_name].data.metrics["val_accuracy"] == pytest.approx(best.metric)
     assert parent.data.tags["flotilla.best_trial"] == best.run_name
     assert {"sweep.png", "trials.txt", "sweep.yaml"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    # Resources: each trial held 3 CPUs for its whole time, one trial at a time. Every trial is
+    # counted (the early-stopped ones too), and each is longer than its training run's `fit()`.
+    pm = parent.data.metrics
+    assert pm["gpu_hours"] == 0 and "estimated_cost" not in pm  # no prices in the spec, no labelled nodes
+    assert 0 < pm["cpu_hours"] <= 3 * pm["resource_wall_time_s"] / 3600
+    finished = [by_name[t.run_name].data.metrics["cpu_hours"] for t in done]
+    assert pm["cpu_hours"] > sum(finished)
+    assert outcome.resources.cpu_hours == pytest.approx(pm["cpu_hours"])
     # The best trial's bundle is the registered candidate, linked to its child run.
     version = client.get_model_version("digits", outcome.registration.version)
     assert CANDIDATE in version.aliases and version.run_id == by_name[best.run_name].info.run_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,13 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import BasicVariantGenerator
 
+from flotilla.cluster import ResourceUse
 from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import TrackingError
-from flotilla.track import Registration, Tracker, flatten, log_params, resolve_tracking_uri
+from flotilla.track import Registration, Tracker, flatten, log_params, log_resources, resolve_tracking_uri
 from flotilla.track._store import check_tracking_uri
-from flotilla.train import DATA_CPUS, check_cluster_fits, ensure_ray, run_training
+from flotilla.train import DATA_CPUS, check_cluster_fits, ensure_ray, run_resources, run_training
 from flotilla.tune._plot import plot_sweep
 from flotilla.tune._space import concurrent_slots, largest_trial, trial_spec, tune_domains
 
@@ -58,6 +60,8 @@ class SweepOutcome:
     parent_run_id: str | None = None
     registration: Registration | None = None
     tracking_uri: str | None = None
+    # CPU/GPU-hours of all trials (each trial's reservation x its time), over the sweep's wall time.
+    resources: ResourceUse | None = None
 
     def table(self) -> str:
         paths = sorted({p for row in self.trials for p in row.values})
@@ -87,6 +91,7 @@ def metric_and_mode(spec: RunSpec) -> tuple[str, str]:
 def run_sweep(spec: RunSpec) -> SweepOutcome:
     if spec.tune is None:
         raise TrackingError("the spec has no `tune` section; add one (see configs/digits_sweep.yaml)")
+    started = time.monotonic()
     t = spec.tune
     name = t.name or f"{spec.name}-sweep"
     metric, mode = metric_and_mode(spec)
@@ -142,8 +147,17 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
         )
     results = tuner.fit()
     outcome = SweepOutcome(name, metric, mode, parent_run_id=parent.run_id if parent else None, tracking_uri=uri)
+    total = None
     for result in results:
-        outcome.trials.append(_row(result, spec, name, metric))
+        row = _row(result, spec, name, metric)
+        outcome.trials.append(row)
+        held = float((result.metrics or {}).get("time_total_s") or 0.0)  # Tune's time of the trial
+        use = run_resources(trial_spec(spec, row.values), held)
+        total = use if total is None else total + use
+    if total is not None:
+        total.wall_time_s = time.monotonic() - started
+        outcome.resources = total
+        print(f"[{name}] {total.describe()}", flush=True)
     outcome.trials.sort(key=lambda r: r.run_name)
     done = [r for r in outcome.trials if r.status == "completed" and r.metric is not None]
     if done:
@@ -255,6 +269,8 @@ class _ParentRun:
             status = {"completed": "FINISHED", "early-stopped": "KILLED", "errored": "FAILED"}[row.status]
             if child.info.status != status:
                 self.client.set_terminated(child.info.run_id, status)
+        if outcome.resources is not None:
+            log_resources(self.client, self.run_id, outcome.resources)
         counts = {s: sum(r.status == s for r in outcome.trials) for s in ("completed", "early-stopped", "errored")}
         tags = [RunTag(f"flotilla.trials_{k.replace('-', '_')}", str(v)) for k, v in counts.items()]
         with tempfile.TemporaryDirectory(prefix="flotilla-sweep-") as tmp:
