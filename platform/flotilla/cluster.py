@@ -1,7 +1,7 @@
 """The cluster a run lands on: room for its workers, its autoscaler, and what the run cost.
 
-    problems = wait_for_room(need, bundles, timeout_s=600, may_wait=True)
-    use = resource_use(wall_s, cpus=3, gpus=0, prices=spec.cost, nodes=worker_node_ids)
+    missing, why = wait_for_room(need, bundles, timeout_s=600, may_wait=True)
+    use = resource_use(wall_s, cpus=3, gpus=0, prices=prices_for(spec.cost, worker_node_ids))
     print(use.describe()); tracker.log_resources(use)
 
 Node prices come from the spec (`cost.cpu_hour`, `cost.gpu_hour`) or, when the spec gives none,
@@ -33,8 +33,9 @@ def shortfall(need: dict[str, float]) -> dict[str, tuple[float, float]]:
 
 
 def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, timeout_s: float, may_wait: bool,
-                  label: str = "flotilla") -> dict[str, tuple[float, float]]:
-    """Make room for `need` (the sum of `bundles`) on the cluster; return what is still missing.
+                  label: str = "flotilla") -> tuple[dict[str, tuple[float, float]], str]:
+    """Make room for `need` (the sum of `bundles`) on the cluster; return what is still missing
+    and, when something is, why no node brought it ("" when there was no autoscaler to ask).
 
     On a running cluster (`may_wait`) a shortfall is a request to its autoscaler
     (`ray.autoscaler.sdk.request_resources`): wait until the nodes have joined, for at most
@@ -43,7 +44,7 @@ def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, ti
     """
     missing = shortfall(need)
     if not missing or not may_wait or timeout_s <= 0:
-        return missing
+        return missing, ""
     from ray.autoscaler.sdk import request_resources
 
     started = time.monotonic()
@@ -51,14 +52,17 @@ def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, ti
     print(f"[{label}] the cluster has {_totals(missing)}; asking its autoscaler for {wanted} "
           f"(waiting up to {timeout_s:.0f} s)", flush=True)
     request_resources(bundles=[{k: v for k, v in b.items() if v} for b in bundles])
-    launched = False
+    launched, why = False, ""
     try:
         while missing:
             elapsed = time.monotonic() - started
             if elapsed > timeout_s:
+                why = f"the nodes did not join within train.scale_up_timeout_s={timeout_s:g} s"
                 break
             launched = launched or _autoscaler_launching()
-            if not launched and elapsed > _NOTHING_LAUNCHED_S:
+            if not launched and elapsed > min(_NOTHING_LAUNCHED_S, timeout_s):
+                why = (f"the cluster's autoscaler launched no node for it within {elapsed:.0f} s (a cluster "
+                       "without one, every node type too small, or max_workers reached: see `ray status`)")
                 break
             time.sleep(2.0)
             missing = shortfall(need)
@@ -69,7 +73,7 @@ def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, ti
     if not missing:
         print(f"[{label}] nodes joined after {time.monotonic() - started:.0f} s; the cluster now has "
               f"{_totals(need)}", flush=True)
-    return missing
+    return missing, why
 
 
 def _totals(resources: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head_node(tmp_path_factory):
     """A one-node cluster from `ray start --head --block`, in a temp dir of its own so no other
     test's `ray.init()` finds it; stopped by signalling exactly the processes it started."""
@@ -93,3 +93,22 @@ def test_ray_job_submit_runs_the_checkout(head_node, tmp_path):
     assert "run submitted: val_accuracy" in submit.stdout
     metrics = json.loads((tmp_path / "submitted" / "bundle" / "metrics.json").read_text())
     assert [m["epoch"] for m in metrics["history"]] == [1, 2]
+
+
+def test_a_run_too_big_for_a_cluster_without_autoscaling_fails_with_the_shortfall(head_node, tmp_path):
+    # `ray start --head` runs Ray's read-only autoscaler: it asks, nothing is launched, the run
+    # says so and exits instead of pending forever (and long before its scale-up timeout).
+    address, env = head_node
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+         "python", "pipelines/train.py", "--config", "configs/digits.yaml", "--set", "train.num_workers=4",
+         "--set", "train.scale_up_timeout_s=600", "--set", "track.enabled=false",
+         "--set", f"train.storage_path={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = submit.stdout + submit.stderr
+    assert submit.returncode != 0, out[-3000:]
+    assert "asking its autoscaler for 5 CPU" in out, out[-3000:]
+    assert "train.num_workers=4 x train.cpus_per_worker=1 needs 4 CPUs plus 1 for Ray Data's input pipeline, " \
+           "but the cluster has 3 in all" in out, out[-3000:]
+    assert "the cluster's autoscaler launched no node for it within" in out, out[-3000:]

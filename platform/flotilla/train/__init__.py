@@ -123,7 +123,7 @@ def check_cluster_fits(spec: RunSpec) -> None:
     t = spec.train
     worker = {"CPU": t.cpus_per_worker, "GPU": t.gpus_per_worker}
     need = {"CPU": t.num_workers * t.cpus_per_worker + DATA_CPUS, "GPU": t.num_workers * t.gpus_per_worker}
-    missing = wait_for_room(need, [worker] * t.num_workers + [{"CPU": DATA_CPUS}],
+    missing, why = wait_for_room(need, [worker] * t.num_workers + [{"CPU": DATA_CPUS}],
                             timeout_s=t.scale_up_timeout_s, may_wait=not started_local_ray(),
                             label=t.run_name or spec.name)
     problems = []
@@ -136,9 +136,8 @@ def check_cluster_fits(spec: RunSpec) -> None:
             f"{have:g} in all; lower train.num_workers or train.{per}, or add nodes"
         )
     if problems:
-        if not started_local_ray():
-            problems.append(f"no autoscaler added the nodes within train.scale_up_timeout_s={t.scale_up_timeout_s:g} s "
-                            "(check `ray status` and the node types' max_workers)")
+        if why:
+            problems.append(why)
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
