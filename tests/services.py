@@ -79,24 +79,30 @@ def mlflow_server(backend_store_uri: str, artifacts: Path, timeout_s: float = 18
     """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(artifacts.parent / f"mlflow-server-{port}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts), "--workers", "2"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with _running([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                   "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts), "--workers", "2"],
+                  f"{url}/health", artifacts.parent / f"mlflow-server-{port}.log", "mlflow server", timeout_s):
+        yield url
+
+
+@contextlib.contextmanager
+def _running(command: list[str], ready_url: str, log_path: Path, name: str, timeout_s: float):
+    """Run `command` in a session of its own until the block ends; enter once `ready_url` answers 200."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {proc.returncode}; see {log.name}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {Path(log_path).read_text()[-2000:]}")
             with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                if requests.get(ready_url, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not answer /health within {timeout_s:.0f}s; see {log.name}")
+                raise RuntimeError(f"{name} did not answer {ready_url} within {timeout_s:.0f}s: "
+                                   f"{Path(log_path).read_text()[-2000:]}")
             time.sleep(0.5)
-        yield url
+        yield
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -138,32 +144,9 @@ def prometheus_server(config: dict, timeout_s: float = 120):
     (root / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(root / "log", "w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={root / 'prometheus.yml'}", f"--web.listen-address=127.0.0.1:{port}",
-         f"--storage.tsdb.path={root / 'data'}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {proc.returncode}: {(root / 'log').read_text()[-2000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus was not ready within {timeout_s:.0f}s: {(root / 'log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield url
+        with _running([binary, f"--config.file={root / 'prometheus.yml'}", f"--web.listen-address=127.0.0.1:{port}",
+                       f"--storage.tsdb.path={root / 'data'}"], f"{url}/-/ready", root / "log", "prometheus", timeout_s):
+            yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
         shutil.rmtree(root, ignore_errors=True)
