@@ -58,9 +58,11 @@ def test_the_run_is_recorded_in_mlflow(champion):
     # The resolved spec, flattened, is the params; the YAML is an artifact.
     assert run.data.params == flatten(spec.model_dump(mode="json"))
     # One point per epoch, stepped by epoch, for every per-epoch metric.
-    for key in ("train_loss", "val_loss", "val_accuracy", "train_accuracy", "samples_per_s"):
+    for key in ("train_loss", "val_loss", "val_accuracy", "train_accuracy", "samples_per_s", "data_wait_s"):
         history = client.get_metric_history(run.info.run_id, key)
         assert [m.step for m in history] == list(range(1, spec.train.epochs + 1)), key
+    # Waiting for input is part of the epoch, never more than all of it.
+    assert all(0 <= m["data_wait_s"] <= m["epoch_time_s"] for m in outcome.history)
     assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.metrics["val_accuracy"])
     assert run.data.metrics["wall_time_s"] > 0
     # Resource accounting: 2 workers x 1 CPU + 1 CPU for Ray Data, priced by the spec.

@@ -97,14 +97,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         engine.train()
         loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
         live.start_epoch()
-        step_started = started
-        for batch in train_shard.iter_torch_batches(
+        step_started, data_wait = started, 0.0
+        batches = iter(train_shard.iter_torch_batches(
             batch_size=t.batch_size,
             dtypes=batch_dtypes,
             device=device,
             local_shuffle_buffer_size=t.batch_size * 8,
             local_shuffle_seed=t.seed + 1000 * epoch + rank,
-        ):
+        ))
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            data_wait += time.perf_counter() - asked
+            if batch is None:
+                break
             inputs, targets = _split(batch, schema, dtype)
             out = engine(inputs)
             loss = _loss(out, targets, schema, "mean")
@@ -124,7 +130,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct], device
         )
-        slowest = _all_reduce([train_time], device, op=dist.ReduceOp.MAX)[0]
+        slowest, most_waited = _all_reduce([train_time, data_wait], device, op=dist.ReduceOp.MAX)
         metrics: dict[str, Any] = {
             "epoch": epoch + 1,
             "global_step": int(engine.global_steps),
@@ -132,6 +138,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "val_loss": totals[2] / max(totals[4], 1),
             "samples_per_s": totals[1] / slowest if slowest > 0 else 0.0,
             "epoch_time_s": slowest,
+            # The longest any rank waited for its input batches this epoch (part of epoch_time_s).
+            "data_wait_s": most_waited,
             "precision": precision,
             "zero_stage": t.zero_stage,
             "world_size": world,
