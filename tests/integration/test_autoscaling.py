@@ -25,7 +25,7 @@ def test_autoscaler_adds_workers_for_a_job_and_removes_them_when_idle(tmp_path):
         run = subprocess.run(
             [sys.executable, str(ROOT / "ops" / "local_autoscaling.py"), "--temp-dir", str(temp_dir), "--",
              "--set", "track.enabled=false", "--set", f"train.storage_path={tmp_path}",
-             "--set", "train.run_name=autoscaled"],
+             "--set", "train.run_name=autoscaled", "--set", "train.epochs=1"],
             env=env, capture_output=True, text=True, timeout=900,
         )
         out = run.stdout + run.stderr
