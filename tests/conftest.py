@@ -28,20 +28,28 @@ def _restore_environment():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def _ray_session():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_ray_session):
     """A local Ray with 3 logical CPUs: 2 training workers plus one for Ray Data's tasks.
 
-    Session scope: starting Ray costs ~10 s on 2 cores and the tests leave no state in it
-    beyond finished runs under their own tmp directories.
+    Shared by the whole session (starting Ray costs ~10 s on 2 cores and the tests leave no state
+    in it beyond finished runs under their own tmp directories); started again for the next module
+    when one needed a cluster of its own (test_serve_haproxy) and shut it down.
     """
     import ray
 
     from flotilla.train import ensure_ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    # The dashboard stays on: Ray Train's placement-group cleaner asks its state API whether a
-    # controller died (a trial stopped by ASHA), and without it the stopped run's CPUs leak.
-    ensure_ray(num_cpus=3, address="local")
+    if not ray.is_initialized():
+        # The dashboard stays on: Ray Train's placement-group cleaner asks its state API whether a
+        # controller died (a trial stopped by ASHA), and without it the stopped run's CPUs leak.
+        ensure_ray(num_cpus=3, address="local")
     yield ray
-    ray.shutdown()

@@ -23,6 +23,11 @@ PRICE_LABEL = "flotilla.io/price-per-hour"
 # After asking the autoscaler for nodes: if it has launched nothing by then, it never will
 # (every node type too small, max_workers reached, or no autoscaler at all).
 _NOTHING_LAUNCHED_S = 30.0
+# Ray Serve's HAProxy ingress (`serve.ingress: haproxy`): replicas serve HTTP on ports of their own
+# (direct ingress) and the HAProxy that ships with Ray balances them; the throughput-optimized
+# settings (gRPC between Serve's processes, user code on the replica's main loop) come with it.
+# Serve reads them when its processes start: they belong in the environment of `ray start`.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 # -------------------------------------------------------------------- capacity

@@ -234,6 +234,20 @@ def test_openapi_docs_and_loopback_binding(served):
     assert listening == {"127.0.0.1"}
 
 
+def test_asking_for_haproxy_on_a_cluster_started_without_it_says_how_to_start_it(served):
+    from flotilla.errors import ServeError
+    from flotilla.serve import running_ingress
+
+    assert running_ingress() == "proxy"
+    started = time.monotonic()
+    with pytest.raises(ServeError, match=r"serve.ingress=haproxy.*RAY_SERVE_ENABLE_HA_PROXY=1.*serve.ingress=proxy"):
+        redeploy(served, "serve.ingress=haproxy")
+    assert time.monotonic() - started < 30  # Serve was running: its ingress is known, no long wait
+    # The endpoint it refused to touch still answers.
+    row = val_rows(served, 1).to_numpy().tolist()
+    assert post(served["classifier"].url + "/predict", {"instances": row}).status_code == 200
+
+
 def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
     redeploy(served, "serve.shadow.target=candidate", "serve.shadow.percent=100")
     url = served["classifier"].url + "/predict"

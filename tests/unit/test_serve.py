@@ -81,6 +81,10 @@ def test_serve_section_errors_name_the_field_and_the_fix():
     with pytest.raises(SpecError, match="positive sum"):
         load_spec("configs/digits.yaml", ["serve.traffic={champion: 0}"])
     assert load_spec("configs/digits.yaml").serve.host == "127.0.0.1"  # loopback unless configured otherwise
+    assert load_spec("configs/digits.yaml").serve.ingress == "proxy"
+    with pytest.raises(SpecError) as e:
+        load_spec("configs/digits.yaml", ["serve.ingress=nginx"])
+    assert "serve.ingress" in str(e.value) and "'proxy'" in str(e.value) and "'haproxy'" in str(e.value)
 
 
 def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders():

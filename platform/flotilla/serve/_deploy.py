@@ -10,9 +10,11 @@ driver, so every replica serves exactly the versions printed at deploy time.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from flotilla.cluster import HAPROXY_ENV
 from flotilla.config import RunSpec, ServeSpec
 from flotilla.errors import ServeError, SpecError, TrackingError
 from flotilla.serve._server import Classifier, Generator, replica_limits
@@ -178,14 +180,33 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     A running app with the same name is updated: a new split is a `user_config` change that the
     replicas apply without restarting, and requests in flight finish on the old split.
     """
+    import ray
     from ray import serve
 
-    from flotilla.train import ensure_ray
+    from flotilla.train import ensure_ray, started_local_ray
 
-    ensure_ray()
     s = plan.serve
+    if s.ingress == "haproxy" and not ray.is_initialized():
+        # Serve reads these when its processes start, so they go into the environment of the local
+        # cluster ray.init() may start here (a running cluster must have been started with them).
+        os.environ.update(HAPROXY_ENV)
+    ensure_ray()
     notes = []
+    was_running = _proxy_address() is not None  # then its ingress actors are up already
     serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
+    running = running_ingress(expect_haproxy=s.ingress == "haproxy" or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
+                              timeout_s=5.0 if was_running else 30.0)
+    if running == "proxy" and s.ingress == "haproxy":
+        how = ("this process started Ray before the deployment asked for HAProxy; start Ray with them set"
+               if started_local_ray() else "start the cluster with them set (see cluster.yaml)")
+        raise ServeError(
+            "serve.ingress=haproxy, but this Ray cluster's Serve runs its Python proxy: HAProxy ingress needs "
+            f"{' '.join(f'{k}={v}' for k, v in HAPROXY_ENV.items())} in the environment of every Ray node "
+            f"when Ray starts; {how}, or deploy with --set serve.ingress=proxy"
+        )
+    if running == "haproxy" and s.ingress == "proxy":
+        notes.append("this cluster's Serve runs HAProxy ingress (it was started with RAY_SERVE_ENABLE_HA_PROXY=1); "
+                     "serve.ingress=proxy applies to clusters started without it")
     actual = _proxy_address()
     if actual is not None and actual != (s.host, s.port):
         notes.append(f"Serve was already running on {actual[0]}:{actual[1]}; serve.host/serve.port apply at its next start")
@@ -194,6 +215,32 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     serve.run(build_application(plan), name=name, route_prefix=plan.route_prefix, blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return Endpoint(plan, f"http://{shown}:{port}{plan.route_prefix}", name, notes)
+
+
+def running_ingress(expect_haproxy: bool = False, timeout_s: float = 30.0) -> str | None:
+    """`haproxy` or `proxy`: what answers HTTP for this cluster's Serve (None if it cannot be told).
+
+    Serve's controller starts its ingress actors shortly after `serve.start()`: HAProxy ingress
+    runs an `HAProxyManager` per node, the Python proxy only a `ProxyActor`. When HAProxy is
+    expected, its manager gets `timeout_s` to appear.
+    """
+    import time
+
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = {a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)}
+        except Exception:  # no state API (e.g. no dashboard): nothing to check against
+            return None
+        if "HAProxyManager" in alive:
+            return "haproxy"
+        if "ProxyActor" in alive and not expect_haproxy:
+            return "proxy"
+        if time.monotonic() > deadline:
+            return "proxy" if "ProxyActor" in alive else None
+        time.sleep(0.5)
 
 
 def _proxy_address() -> tuple[str, int] | None:
