@@ -118,12 +118,15 @@ class LocalCluster:
         # Worker nodes were started by the autoscaler, not by `ray start`: find them by name.
         marks = (str(self.temp_dir), f"127.0.0.1:{self.gcs_port}")
         me = {os.getpid(), os.getppid()}  # this script's own command line may name the temp dir
+        killed = []
         for p in psutil.process_iter(["cmdline"]):
             try:
                 if p.pid not in me and p.info["cmdline"] and any(m in part for part in p.info["cmdline"] for m in marks):
                     p.kill()
+                    killed.append(p)
             except psutil.Error:
                 pass
+        psutil.wait_procs(killed, timeout=15)  # gone, not merely signalled, when this returns
         self.log.close()
 
 

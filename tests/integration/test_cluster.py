@@ -73,9 +73,12 @@ def head_node(tmp_path_factory):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(group, signal.SIGKILL)
+        killed = []
         for p in psutil.process_iter(["cmdline"]):  # anything of this cluster still alive
             if p.info["cmdline"] and any(str(temp_dir) in part for part in p.info["cmdline"]):
                 p.kill()
+                killed.append(p)
+        psutil.wait_procs(killed, timeout=15)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
