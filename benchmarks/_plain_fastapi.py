@@ -34,6 +34,12 @@ def predict(body: Body) -> dict:
     return {"predictions": out["predictions"], "probabilities": out.get("probabilities")}
 
 
+@app.post("/noop")
+def noop(body: Body) -> dict:
+    """The same request and a same-sized answer without the model: what HTTP alone costs here."""
+    return {"predictions": [0] * len(body.instances), "probabilities": [[0.1] * 10] * len(body.instances)}
+
+
 @app.get("/healthz")
 def healthz() -> dict:
     return {"ok": True}

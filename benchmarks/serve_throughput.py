@@ -6,7 +6,8 @@
     Python proxy (`serve.ingress: proxy`, the default) and again behind its HAProxy ingress
     (`serve.ingress: haproxy`, on a Ray started for it);
 (b) plain FastAPI + uvicorn calling the model once per request (benchmarks/_plain_fastapi.py);
-(c) the model's raw batched forward in-process (no HTTP), batches of `--batch`.
+(c) the model's raw batched forward in-process (no HTTP), batches of `--batch`;
+and, as a bound, (b)'s server answering the same requests without the model (HTTP alone).
 All three use one torch thread. The model is a wide MLP on the digits sample, trained for one
 epoch and registered in a temporary MLflow store; (a) loads it from the registry, (b) and (c)
 from the same bundle. A load generator (aiohttp, 127.0.0.1) keeps `c` requests of one row
@@ -151,6 +152,7 @@ def main() -> None:
         try:
             wait_http(f"http://127.0.0.1:{port}/healthz")
             b = measure(f"http://127.0.0.1:{port}/predict", rows, args.seconds)
+            http_floor = asyncio.run(drive(f"http://127.0.0.1:{port}/noop", rows, 32, args.seconds))["rps"]
         finally:
             plain.terminate()
             plain.wait(timeout=30)
@@ -170,7 +172,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
-    report(args, params, single_c, items_c, a, a_haproxy, b)
+    report(args, params, single_c, items_c, a, a_haproxy, b, http_floor)
 
 
 def _val_rows(spec):
@@ -197,7 +199,8 @@ def _single_forward_ms(bundle, rows) -> float:
     return (time.perf_counter() - start) / 50 * 1000
 
 
-def report(args, params: int, single_ms: float, items_c: float, a: dict, a_haproxy: dict, b: dict) -> None:
+def report(args, params: int, single_ms: float, items_c: float, a: dict, a_haproxy: dict, b: dict,
+           http_floor: float) -> None:
     lines = [
         f"Serving, {time.strftime('%Y-%m-%d')}, 2 cores, one torch thread everywhere; MLP {args.hidden} on digits "
         f"({params / 1e6:.1f}M parameters; forward of 1 row {single_ms:.1f} ms, of {args.batch} rows "
@@ -214,7 +217,15 @@ def report(args, params: int, single_ms: float, items_c: float, a: dict, a_hapro
             f"| {a_haproxy[c]['rps'] / b[c]['rps']:.2f} | {a[c]['p50_ms']:.1f} / {a[c]['p99_ms']:.1f} "
             f"| {a_haproxy[c]['p50_ms']:.1f} / {a_haproxy[c]['p99_ms']:.1f} | {b[c]['p50_ms']:.1f} / {b[c]['p99_ms']:.1f} |"
         )
-    lines += ["", f"(c) raw batched forward: {items_c:.0f} items/s.", ""]
+    # One core doing both the HTTP work and the batched forward can at best alternate them.
+    bound = 1 / (1 / http_floor + 1 / items_c)
+    lines += [
+        "",
+        f"(c) raw batched forward: {items_c:.0f} items/s. HTTP alone (the same FastAPI + uvicorn answering the "
+        f"same requests without the model, c=32): {http_floor:.0f} req/s, i.e. {1000 / http_floor:.2f} ms a request; "
+        f"one core doing that and the batched forward answers at most {bound:.0f} req/s = {bound / items_c:.2f} x (c).",
+        "",
+    ]
     for name, m in (("(a) serve.ingress=proxy (the default)", a), ("(a') serve.ingress=haproxy", a_haproxy)):
         lines.append(
             f"Goals for {name}: a/b at c=32 = {m[32]['rps'] / b[32]['rps']:.2f} (>= 1.5); p50 at c=1: a - b = "
@@ -224,6 +235,7 @@ def report(args, params: int, single_ms: float, items_c: float, a: dict, a_hapro
     print("\n" + "\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"a": a, "a_haproxy": a_haproxy, "b": b, "c_items_per_s": items_c,
+                                          "http_floor_rps": http_floor,
                                           "params": params, "single_forward_ms": single_ms, "args": vars(args)},
                                          indent=1))
 

@@ -442,7 +442,7 @@ class ServeSpec(_Section):
         "proxy",
         description="How HTTP reaches the replicas. `proxy`: Ray Serve's Python proxy forwards each request to a "
         "replica. `haproxy`: Ray Serve's HAProxy ingress: each replica answers HTTP itself on a port of its own and "
-        "HAProxy (shipped with Ray) balances them on `serve.port`; ~2.9x the requests/s of `proxy` on 2 cores, but "
+        "HAProxy (shipped with Ray) balances them on `serve.port`; 2.4-2.9x the requests/s of `proxy` on 2 cores, but "
         "the whole Ray cluster must start with it (Flotilla does that for the local cluster it starts; see README), "
         "HAProxy's stats and metrics ports bind all interfaces, and a replica drains for 30 s when removed.",
     )
