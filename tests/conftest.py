@@ -48,6 +48,8 @@ def ray_cluster(_ray_session):
 
     from flotilla.train import ensure_ray
 
+    if ray.is_initialized() and ray.cluster_resources().get("CPU") != 3:
+        ray.shutdown()  # some other Ray than the one these tests are written for
     if not ray.is_initialized():
         # The dashboard stays on: Ray Train's placement-group cleaner asks its state API whether a
         # controller died (a trial stopped by ASHA), and without it the stopped run's CPUs leak.

@@ -11,8 +11,10 @@ hourly price is split evenly over its GPUs (GPU nodes) or its CPUs (CPU-only nod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -191,3 +193,18 @@ def resource_use(wall_time_s: float, cpus: float, gpus: float, prices: Prices) -
         if not (gpus and prices.gpu_hour is not None and prices.source.startswith("node labels")):
             use.cost += use.cpu_hours * (prices.cpu_hour or 0.0)
     return use
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """These environment variables while the block runs (processes started in it keep them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -34,6 +34,7 @@ def haproxy_endpoint(tmp_path_factory):
 
     if ray.is_initialized():
         ray.shutdown()
+    haproxies: list[psutil.Process] = []
     store = tmp_path_factory.mktemp("haproxy")
     port = free_port()
     spec = digits_spec(
@@ -45,14 +46,21 @@ def haproxy_endpoint(tmp_path_factory):
         outcome = run_training(spec)  # starts the local cluster, with HAProxy ingress for this spec
         assert started_local_ray()
         endpoint = deploy(plan_deployment(spec))
-        yield {"spec": spec, "outcome": outcome, "endpoint": endpoint, "port": port}
+        assert not HAPROXY_ENV.keys() & os.environ.keys()  # Ray's processes got them, this one kept its own
+        haproxies = [p for p in psutil.process_iter(["name", "cmdline"])
+                     if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
+        yield {"spec": spec, "outcome": outcome, "endpoint": endpoint, "port": port, "haproxies": haproxies}
     finally:
         # The whole local cluster goes, HAProxy with it (serve.shutdown() first would wait out
         # direct ingress's 30 s drain for replicas no request can reach any more).
         if ray.is_initialized():
             ray.shutdown()
-        for key in HAPROXY_ENV:
-            os.environ.pop(key, None)
+    # HAProxy is a child of Serve's HAProxyManager actor, outside Ray's own process tree: make sure
+    # it went with the cluster (it holds serve.port and, on all interfaces, its stats port).
+    _, alive = psutil.wait_procs(haproxies, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, f"HAProxy outlived the cluster: {[p.pid for p in alive]}"
 
 
 def _listening(port_filter) -> dict[int, str]:
@@ -64,6 +72,7 @@ def test_haproxy_answers_like_the_bundle_and_every_replica_listens_on_localhost(
     from flotilla.serve import VERSION_HEADER, running_ingress
 
     assert running_ingress() == "haproxy"
+    assert haproxy_endpoint["haproxies"], "no HAProxy process found"
     endpoint, spec = haproxy_endpoint["endpoint"], haproxy_endpoint["spec"]
     assert endpoint.url.startswith(f"http://127.0.0.1:{haproxy_endpoint['port']}/")
     rows, _ = digits_val_rows(spec)

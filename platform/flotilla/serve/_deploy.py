@@ -10,11 +10,10 @@ driver, so every replica serves exactly the versions printed at deploy time.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from flotilla.cluster import HAPROXY_ENV
+from flotilla.cluster import HAPROXY_ENV, environment
 from flotilla.config import RunSpec, ServeSpec
 from flotilla.errors import ServeError, SpecError, TrackingError
 from flotilla.serve._server import Classifier, Generator, replica_limits
@@ -189,13 +188,14 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     if s.ingress == "haproxy" and not ray.is_initialized():
         # Serve reads these when its processes start, so they go into the environment of the local
         # cluster ray.init() may start here (a running cluster must have been started with them).
-        os.environ.update(HAPROXY_ENV)
-    ensure_ray()
+        with environment(HAPROXY_ENV):
+            ensure_ray()
+    else:
+        ensure_ray()
     notes = []
     was_running = _proxy_address() is not None  # then its ingress actors are up already
     serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
-    running = running_ingress(expect_haproxy=s.ingress == "haproxy" or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
-                              timeout_s=5.0 if was_running else 30.0)
+    running = running_ingress(expect_haproxy=s.ingress == "haproxy", timeout_s=5.0 if was_running else 30.0)
     if running == "proxy" and s.ingress == "haproxy":
         how = ("this process started Ray before the deployment asked for HAProxy; start Ray with them set"
                if started_local_ray() else "start the cluster with them set (see cluster.yaml)")
@@ -221,25 +221,30 @@ def running_ingress(expect_haproxy: bool = False, timeout_s: float = 30.0) -> st
     """`haproxy` or `proxy`: what answers HTTP for this cluster's Serve (None if it cannot be told).
 
     Serve's controller starts its ingress actors shortly after `serve.start()`: HAProxy ingress
-    runs an `HAProxyManager` per node, the Python proxy only a `ProxyActor`. When HAProxy is
-    expected, its manager gets `timeout_s` to appear.
+    runs an `HAProxyManager` per node (besides a fallback `ProxyActor` on the head, which does not
+    count), the Python proxy only `ProxyActor`s. When HAProxy is expected, its manager gets
+    `timeout_s` to appear. Asks the cluster this process is connected to.
     """
     import time
 
+    import ray
     from ray.util.state import list_actors
 
+    address = ray.get_runtime_context().gcs_address
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            alive = {a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)}
-        except Exception:  # no state API (e.g. no dashboard): nothing to check against
+            actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
+        except Exception:  # no state API (no dashboard): nothing to check against
             return None
-        if "HAProxyManager" in alive:
+        kinds = {a.class_name for a in actors
+                 if not (a.class_name == "ProxyActor" and "fallback" in (getattr(a, "name", None) or ""))}
+        if "HAProxyManager" in kinds:
             return "haproxy"
-        if "ProxyActor" in alive and not expect_haproxy:
+        if "ProxyActor" in kinds and (not expect_haproxy or time.monotonic() > deadline):
             return "proxy"
         if time.monotonic() > deadline:
-            return "proxy" if "ProxyActor" in alive else None
+            return None
         time.sleep(0.5)
 
 

@@ -23,7 +23,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 import flotilla
-from flotilla.cluster import HAPROXY_ENV, ResourceUse, prices_for, resource_use, wait_for_room
+from flotilla.cluster import HAPROXY_ENV, ResourceUse, environment, prices_for, resource_use, wait_for_room
 from flotilla.config import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError
@@ -107,13 +107,14 @@ def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
         needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
-    if spec is not None and spec.serve.ingress == "haproxy" and _STARTED_LOCAL:
-        os.environ.update(HAPROXY_ENV)  # the local cluster will serve this spec's endpoint
+    # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
+    env = HAPROXY_ENV if spec is not None and spec.serve.ingress == "haproxy" and _STARTED_LOCAL else {}
     # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
     # local fake cluster needs it: its nodes share one runtime_resources directory, and each
     # node that unpacks a shipped package deletes the copy the others are running from.
     ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
-    ray.init(runtime_env={"py_modules": [PACKAGE_DIR]} if ship else None, **init_kwargs)
+    with environment(env):  # Ray's processes keep it; this process gets its own back
+        ray.init(runtime_env={"py_modules": [PACKAGE_DIR]} if ship else None, **init_kwargs)
 
 
 def check_cluster_fits(spec: RunSpec) -> None:
