@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flotilla.cluster import HAPROXY_ENV, environment
+from flotilla.cluster import HAPROXY_ENV
 from flotilla.config import RunSpec, ServeSpec
 from flotilla.errors import ServeError, SpecError, TrackingError
 from flotilla.serve._server import Classifier, Generator, replica_limits
@@ -179,19 +179,12 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     A running app with the same name is updated: a new split is a `user_config` change that the
     replicas apply without restarting, and requests in flight finish on the old split.
     """
-    import ray
     from ray import serve
 
     from flotilla.train import ensure_ray, started_local_ray
 
     s = plan.serve
-    if s.ingress == "haproxy" and not ray.is_initialized():
-        # Serve reads these when its processes start, so they go into the environment of the local
-        # cluster ray.init() may start here (a running cluster must have been started with them).
-        with environment(HAPROXY_ENV):
-            ensure_ray()
-    else:
-        ensure_ray()
+    ensure_ray(ingress=s.ingress)  # a running cluster must have been started with its ingress
     notes = []
     was_running = _proxy_address() is not None  # then its ingress actors are up already
     serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})

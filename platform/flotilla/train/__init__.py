@@ -76,15 +76,16 @@ class TrainingOutcome:
 DATA_CPUS = 1
 
 
-def ensure_ray(spec: RunSpec | None = None, **init_kwargs) -> None:
+def ensure_ray(spec: RunSpec | None = None, *, ingress: str | None = None, **init_kwargs) -> None:
     """Connect to the cluster in RAY_ADDRESS (or the job's), or start a local one.
 
     A local cluster gets enough logical CPUs for the workers plus Ray Data's tasks (they
-    share the machine's cores). `platform/flotilla` travels to every worker as a runtime_env
+    share the machine's cores), and Serve's HAProxy ingress when `ingress` (default: the spec's
+    `serve.ingress`) says `haproxy`. `platform/flotilla` travels to every worker as a runtime_env
     py_module, so a cluster runs the checkout as it is, without installing Flotilla on its nodes.
     """
     if not ray.is_initialized():
-        _init_ray(spec, init_kwargs)
+        _init_ray(spec, ingress or (spec.serve.ingress if spec is not None else "proxy"), init_kwargs)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -98,7 +99,7 @@ def started_local_ray() -> bool:
     return _STARTED_LOCAL and ray.is_initialized()
 
 
-def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
+def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     global _STARTED_LOCAL
     _STARTED_LOCAL = init_kwargs.get("address") == "local" or (
         "address" not in init_kwargs and not _cluster_address()
@@ -108,7 +109,7 @@ def _init_ray(spec: RunSpec | None, init_kwargs: dict) -> None:
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
-    env = HAPROXY_ENV if spec is not None and spec.serve.ingress == "haproxy" and _STARTED_LOCAL else {}
+    env = HAPROXY_ENV if ingress == "haproxy" and _STARTED_LOCAL else {}
     # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
     # local fake cluster needs it: its nodes share one runtime_resources directory, and each
     # node that unpacks a shipped package deletes the copy the others are running from.
