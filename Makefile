@@ -46,4 +46,4 @@ cluster-local: $(VENV)/.installed
 	$(PY) ops/local_autoscaling.py
 
 clean:
-	rm -rf runs mlruns .pytest_cache
+	rm -rf runs mlruns mlflow.db .pytest_cache

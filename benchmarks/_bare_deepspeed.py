@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flotilla.config import RunSpec  # noqa: E402
+from flotilla.spec import RunSpec  # noqa: E402
 from flotilla.models import build_model  # noqa: E402
 from flotilla.train import deepspeed_config  # noqa: E402
 

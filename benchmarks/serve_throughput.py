@@ -35,7 +35,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 import numpy as np  # noqa: E402
 
-from flotilla.config import load_spec  # noqa: E402
+from flotilla.spec import load_spec  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flotilla.config import load_spec  # noqa: E402
+from flotilla.spec import load_spec  # noqa: E402
 from flotilla.data import ByteWindows, VOCAB_SIZE, resolve_source  # noqa: E402
 from flotilla.models import build_model, flops_per_token  # noqa: E402
 from flotilla.train import measured_peak_flops  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
     results["b"] = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])["samples_per_s"]
     print(f"(b) bare DeepSpeed (torchrun, 2 ranks): {results['b']:.1f} samples/s", flush=True)
 
-    from flotilla import run_training
+    from flotilla.train import run_training
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_a = load_spec(None, SPEC + [f"train.storage_path={tmp}"])

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
-from flotilla.config import load_spec  # noqa: E402
-from flotilla.train import DATA_CPUS, ensure_ray  # noqa: E402
+from flotilla.spec import load_spec  # noqa: E402
+from flotilla.runtime import DATA_CPUS, ensure_ray  # noqa: E402
 from flotilla.tune import concurrent_slots, run_sweep  # noqa: E402
 
 

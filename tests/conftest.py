@@ -46,7 +46,7 @@ def ray_cluster(_ray_session):
     """
     import ray
 
-    from flotilla.train import ensure_ray
+    from flotilla.runtime import ensure_ray
 
     if ray.is_initialized() and ray.cluster_resources().get("CPU") != 3:
         ray.shutdown()  # some other Ray than the one these tests are written for

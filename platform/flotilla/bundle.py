@@ -179,6 +179,13 @@ class InferenceBundle:
         return result
 
 
+def read_bundle_metrics(fs, path: str) -> dict[str, Any]:
+    """The bundle's metrics (`final`, `history`, ...) at `path` on a pyarrow filesystem `fs`,
+    without loading the model."""
+    with fs.open_input_stream(f"{path}/{METRICS_JSON}") as f:
+        return json.loads(f.read())
+
+
 def load_bundle(path: str | Path) -> InferenceBundle:
     root = Path(path)
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]

@@ -11,10 +11,8 @@ hourly price is split evenly over its GPUs (GPU nodes) or its CPUs (CPU-only nod
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -25,11 +23,7 @@ PRICE_LABEL = "flotilla.io/price-per-hour"
 # After asking the autoscaler for nodes: if it has launched nothing by then, it never will
 # (every node type too small, max_workers reached, or no autoscaler at all).
 _NOTHING_LAUNCHED_S = 30.0
-# Ray Serve's HAProxy ingress (`serve.ingress: haproxy`): replicas serve HTTP on ports of their own
-# (direct ingress) and the HAProxy that ships with Ray balances them; the throughput-optimized
-# settings (gRPC between Serve's processes, user code on the replica's main loop) come with it.
-# Serve reads them when its processes start: they belong in the environment of `ray start`.
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
 
 
 # -------------------------------------------------------------------- capacity
@@ -193,18 +187,3 @@ def resource_use(wall_time_s: float, cpus: float, gpus: float, prices: Prices) -
         if not (gpus and prices.gpu_hour is not None and prices.source.startswith("node labels")):
             use.cost += use.cpu_hours * (prices.cpu_hour or 0.0)
     return use
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]):
-    """These environment variables while the block runs (processes started in it keep them)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

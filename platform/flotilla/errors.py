@@ -2,13 +2,28 @@
 
 Every exception here is picklable (it crosses Ray process boundaries: a worker raises
 it, the driver reports it) and carries a message that names the input and the fix.
+
+Each class carries the exit code that the `flotilla` command (and the scripts that call it)
+ends with; `EXIT_CODES` is the table `flotilla --help` prints.
 """
 
 from __future__ import annotations
 
 
+# What each exit code means, for every subcommand.
+EXIT_CODES = {
+    0: "done",
+    1: "the run failed while running (training, checkpoints, serving)",
+    2: "bad input: the spec, the data, the tracking store, or an unknown model, version or alias",
+    3: "the Ray cluster cannot hold what the spec asks for",
+    130: "interrupted (Ctrl-C); the printed command resumes a training run",
+}
+
+
 class FlotillaError(Exception):
-    """Base class: an error the user can act on; entry scripts print it without a traceback."""
+    """Base class: an error the user can act on; the `flotilla` command prints it without a traceback."""
+
+    exit_code = 1
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -23,6 +38,8 @@ class FlotillaError(Exception):
 
 class SpecError(FlotillaError):
     """The run spec is not well-formed; `problems` lists every problem found."""
+
+    exit_code = 2
 
     def __init__(self, problems: list[str] | str, source: str = "run spec"):
         if isinstance(problems, str):
@@ -39,9 +56,13 @@ class SpecError(FlotillaError):
 class DataError(FlotillaError):
     """The input data cannot be read or does not match the spec."""
 
+    exit_code = 2
+
 
 class ModelError(FlotillaError):
     """The model cannot be built from the spec (bad factory path, wrong return type, ...)."""
+
+    exit_code = 2
 
 
 class CheckpointError(FlotillaError):
@@ -51,9 +72,13 @@ class CheckpointError(FlotillaError):
 class ClusterError(FlotillaError):
     """The Ray cluster cannot run what the spec asks for."""
 
+    exit_code = 3
+
 
 class BundleError(FlotillaError):
     """An inference bundle is missing, incomplete, or fed rows it cannot use."""
+
+    exit_code = 2
 
 
 class TrainingError(FlotillaError):
@@ -63,6 +88,21 @@ class TrainingError(FlotillaError):
 class TrackingError(FlotillaError):
     """The MLflow tracking store or model registry cannot be used as configured."""
 
+    exit_code = 2
+
 
 class ServeError(FlotillaError):
     """A model cannot be deployed or served as asked (unknown alias, wrong model kind, ...)."""
+
+    exit_code = 2
+
+
+def summarize(error: BaseException, limit: int = 500) -> str:
+    """One line for a log or an error message: a FlotillaError's own message, else the type and
+    the last non-empty line of the text (where Ray and MLflow put the actual cause)."""
+    if isinstance(error, FlotillaError):
+        return error.message
+    lines = [line.strip() for line in str(error).strip().splitlines()
+             if line.strip() and not line.strip().startswith("(Background on this error")]  # SQLAlchemy's link
+    text = f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
+    return text[:limit]

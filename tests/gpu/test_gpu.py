@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flotilla import load_bundle, run_training
+from flotilla.bundle import load_bundle
+from flotilla.train import run_training
 
 from ..integration._helpers import digits_spec
 
@@ -22,7 +23,7 @@ pytestmark = [
 def gpu_ray():
     import ray
 
-    from flotilla.train import ensure_ray
+    from flotilla.runtime import ensure_ray
 
     if ray.is_initialized():
         ray.shutdown()

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from flotilla.config import RunSpec, load_spec
+from flotilla.spec import RunSpec, load_spec
 from flotilla.data import resolve_source, split_rows
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from flotilla import run_training
+from flotilla.train import run_training
 from flotilla.errors import ClusterError, DataError
 
 from ._helpers import ROOT, digits_spec
@@ -73,7 +73,7 @@ def test_csv_source_trains_like_parquet(ray_cluster, tmp_path):
         tmp_path, f"data.source={tmp_path / 'csv'}", "data.label=answer", "train.epochs=3", "train.batch_size=16",
         "train.zero_stage=0",
     )
-    from flotilla import load_bundle
+    from flotilla.bundle import load_bundle
 
     outcome = run_training(spec)
     assert outcome.metrics["val_accuracy"] > 0.85

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from flotilla.bundle import load_bundle
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.train import run_training
 from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, store_uri
 from tests.services import free_port

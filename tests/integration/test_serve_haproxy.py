@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from flotilla.bundle import load_bundle
-from flotilla.cluster import HAPROXY_ENV
+from flotilla.runtime import HAPROXY_ENV
 from tests.integration._helpers import digits_spec, digits_val_rows
 from tests.services import free_port
 
@@ -30,7 +30,8 @@ def haproxy_endpoint(tmp_path_factory):
     import ray
 
     from flotilla.serve import deploy, plan_deployment
-    from flotilla.train import run_training, started_local_ray
+    from flotilla.runtime import started_local_ray
+    from flotilla.train import run_training
 
     if ray.is_initialized():
         ray.shutdown()

@@ -40,8 +40,9 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(ROOT / 'platform')!r})
-        from flotilla import load_spec, run_training
-        from flotilla.train import ensure_ray
+        from flotilla import load_spec
+        from flotilla.train import run_training
+        from flotilla.runtime import ensure_ray
         ensure_ray(num_cpus=3, object_store_memory={OBJECT_STORE_BYTES}, include_dashboard=False, address="local")
         spec = load_spec({str(ROOT / 'configs' / 'digits.yaml')!r}, [
             "data.source={data}", "data.label=y", "data.scaling=none", "data.val_fraction=0.02",

@@ -13,7 +13,8 @@ import mlflow
 import numpy as np
 import pytest
 
-from flotilla import load_bundle, run_training
+from flotilla.bundle import load_bundle
+from flotilla.train import run_training
 from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten
 
 from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, mlflow_runs

@@ -10,9 +10,10 @@ import time
 import psutil
 import pytest
 
-from flotilla import load_bundle, run_training
+from flotilla.bundle import load_bundle
+from flotilla.train import run_training
 
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 
 from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, store_uri
 

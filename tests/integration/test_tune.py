@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.track import CANDIDATE
 from flotilla.tune import run_sweep
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.config import (
+from flotilla.spec import (
     CustomModelSpec,
     DataSpec,
     GateSpec,
@@ -64,9 +64,9 @@ def test_all_problems_reported_at_once_with_field_value_and_fix():
 
 
 def test_cross_field_rules_name_the_flags():
-    with pytest.raises(SpecError, match=r"`--model.heads` \(3\) must divide `--model.width` \(128\)"):
+    with pytest.raises(SpecError, match=r"`model.heads` \(3\) must divide `model.width` \(128\); try `--set model.heads=4`"):
         load_spec(None, ["model.kind=gpt", "data.source=pycode", "model.heads=3"])
-    with pytest.raises(SpecError, match="offload_params.*needs `--train.zero_stage=3`"):
+    with pytest.raises(SpecError, match="offload_params.*needs ZeRO stage 3: `--set train.zero_stage=3`"):
         load_spec(None, ["train.offload_params=cpu", "train.zero_stage=2"])
     with pytest.raises(SpecError, match="model.kind.*'transformer' is not a model kind"):
         load_spec(None, ["model.kind=transformer"])
@@ -85,9 +85,10 @@ def test_malformed_override():
         apply_override(raw, "train.lr.x=3")
 
 
-def test_readme_spec_reference_matches_the_code():
-    from flotilla.config import spec_reference_markdown
+def test_docs_spec_reference_matches_the_code():
+    from flotilla.spec import spec_reference_markdown
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("<!-- spec-reference:start -->\n", 1)[1].split("<!-- spec-reference:end -->", 1)[0]
-    assert section == spec_reference_markdown(), "regenerate with: python -m flotilla.config"
+    page = (Path(__file__).parents[2] / "docs" / "spec-reference.md").read_text()
+    assert page == spec_reference_markdown() + "\n", "regenerate with: flotilla config > docs/spec-reference.md"
+    for section in ("**data**", "**train**", "**track.gate**", "**tune**", "**serve.batching**", "**cost**"):
+        assert section in page

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flotilla.cluster import Prices, ResourceUse, prices_for, resource_use
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.errors import SpecError
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.errors import SpecError
 from flotilla.serve import GenerateRequest, PredictRequest, TrafficSplit
 from flotilla.serve._schemas import validation_fields
@@ -73,10 +73,10 @@ def test_serve_section_errors_name_the_field_and_the_fix():
                                           "serve.traffic={'bad key!': 1}", "serve.route_prefix=v1/"])
     text = str(e.value)
     assert "`serve.trafic`: unknown key; did you mean `serve.traffic`?" in text
-    assert "`--serve.autoscaling.min_replicas` (3) is above `max_replicas` (2)" in text
+    assert "`serve.autoscaling.min_replicas` (3) is above `serve.autoscaling.max_replicas` (2)" in text
     assert "'bad key!': a traffic key is a version number or an alias name" in text
     assert "a route prefix starts with `/`" in text
-    with pytest.raises(SpecError, match="must be at least `--serve.batching.max_batch_size` \\(32\\)"):
+    with pytest.raises(SpecError, match="must be at least `serve.batching.max_batch_size` \\(32\\)"):
         load_spec("configs/digits.yaml", ["serve.max_ongoing_requests=8"])
     with pytest.raises(SpecError, match="positive sum"):
         load_spec("configs/digits.yaml", ["serve.traffic={champion: 0}"])

@@ -11,7 +11,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from flotilla.config import GateSpec, load_spec
+from flotilla.spec import GateSpec, load_spec
 from flotilla.errors import SpecError, TrackingError
 from flotilla.track import (
     CHAMPION,
@@ -85,12 +85,16 @@ def test_flatten_spec_into_params():
     assert params["track.gate.require"] == "[]"
 
 
-def test_default_store_is_sqlite_under_the_working_directory(tmp_path, monkeypatch):
+def test_default_store_is_mlflows_own_default_in_the_working_directory(tmp_path, monkeypatch):
+    """`mlflow ui` run in the same directory (its default: sqlite:///mlflow.db) finds the runs."""
+    from mlflow.store.tracking import DEFAULT_TRACKING_URI
+
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri, artifacts = resolve_tracking_uri(None)
-    assert uri == f"sqlite:///{tmp_path.resolve()}/mlruns/mlflow.db"
-    assert artifacts == (tmp_path.resolve() / "mlruns" / "artifacts").as_uri()
+    assert DEFAULT_TRACKING_URI == "sqlite:///mlflow.db"
+    assert uri == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert artifacts == (tmp_path.resolve() / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert resolve_tracking_uri(None) == ("http://127.0.0.1:5000", None)
 
@@ -153,22 +157,17 @@ def test_promote_names_what_exists(registry):
         set_alias(registry, "nope", CHAMPION, "1")
 
 
-def test_promote_script_prints_what_changed(registry, tmp_path, capsys):
-    import importlib.util
+def test_promote_command_prints_what_changed(registry, tmp_path, capsys):
+    from flotilla.cli import main
 
-    from tests.integration._helpers import ROOT
-
-    spec = importlib.util.spec_from_file_location("promote", ROOT / "pipelines" / "promote.py")
-    promote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(promote)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    assert promote.main(["--model", "m", "--version", "3", "--tracking-uri", uri]) == 0
-    assert promote.main(["--model", "m", "--version", "4", "--tracking-uri", uri]) == 0
-    assert promote.main(["--model", "m", "--rollback", "--tracking-uri", uri]) == 0
+    assert main(["promote", "--model", "m", "--version", "3", "--tracking-uri", uri]) == 0
+    assert main(["promote", "--model", "m", "--version", "4", "--tracking-uri", uri]) == 0
+    assert main(["promote", "--model", "m", "--rollback", "--tracking-uri", uri]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["m@champion: unset -> v3 (promoted)", "m@champion: v3 -> v4 (promoted)",
                    "m@champion: v4 -> v3 (rolled back)"]
-    assert promote.main(["--model", "m", "--version", "7", "--tracking-uri", uri]) == 2
+    assert main(["promote", "--model", "m", "--version", "7", "--tracking-uri", uri]) == 2
     assert "m has no version '7'" in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flotilla.config import TrainSpec
+from flotilla.spec import TrainSpec
 from flotilla.train import deepspeed_config, optimizer_steps, resolve_precision
 from flotilla.train import _precision
 

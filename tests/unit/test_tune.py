@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.errors import SpecError
 from flotilla.tune import SweepOutcome, TrialRow, concurrent_slots, largest_trial, metric_and_mode, trial_spec, tune_domains
 
@@ -45,8 +45,8 @@ def test_randint_includes_its_upper_end_and_grid_search_expands_choices():
         (["tune.space={model.hidden: {choice: []}}"], "choice needs a non-empty list"),
         (["tune.space={train.lr: {between: [1, 2]}}"], "must be one of {loguniform: ..., uniform: ..., randint: ..., choice: ..., grid: ...}"),
         (["tune.space={train.zero_stage: {choice: [2, 4]}}"], "`tune.space.train.zero_stage` = 4: `train.zero_stage`: Input should be 0, 1, 2 or 3"),
-        (["tune.search=optuna", "tune.space={model.hidden: {grid: [[8], [16]]}}"], "need `--tune.search=random` or `grid`, not optuna"),
-        (["tune.search=grid"], "`--tune.search=grid` takes only choice/grid entries; train.lr are ranges"),
+        (["tune.search=optuna", "tune.space={model.hidden: {grid: [[8], [16]]}}"], "need `--set tune.search=random` or `grid`, not optuna"),
+        (["tune.search=grid"], "`tune.search: grid` takes only choice/grid entries; train.lr are ranges"),
     ],
 )
 def test_malformed_sweeps_are_rejected_naming_the_entry(overrides, message):

@@ -8,21 +8,8 @@ Nothing here collects rows on the driver: the split, the fitting (Ray Data aggre
 and the transforms all run as Ray Data tasks.
 """
 
-from __future__ import annotations
-
-import time
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import pandas as pd
-import pyarrow as pa
-import ray.data
-from ray.data.preprocessor import Preprocessor
-from ray.data.preprocessors import LabelEncoder
-
-from flotilla.config import GPTSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
+from flotilla.data._prepare import PreparedData, prepare_data, resolve_task, split_rows, wait_for_data_cpu
 from flotilla.data._preprocess import (
     FEATURES,
     TOKENS,
@@ -34,242 +21,26 @@ from flotilla.data._preprocess import (
     tabular_preprocessors,
     to_json,
 )
-from flotilla.data._sources import BUILTIN_SOURCES, ResolvedSource, cache_dir, filesystem_for, resolve_source
-from flotilla.errors import ClusterError, DataError
+from flotilla.data._sources import BUILTIN_SOURCES, cache_dir, filesystem_for, resolve_source
 
 __all__ = [
-    "array_transform",
-    "FEATURES",
-    "TOKENS",
-    "VOCAB_SIZE",
     "BUILTIN_SOURCES",
     "ByteWindows",
+    "FEATURES",
     "PreparedData",
+    "TOKENS",
+    "VOCAB_SIZE",
     "apply_all",
+    "array_transform",
     "cache_dir",
     "filesystem_for",
     "fingerprint",
     "from_json",
     "prepare_data",
     "resolve_source",
+    "resolve_task",
     "split_rows",
+    "tabular_preprocessors",
     "to_json",
+    "wait_for_data_cpu",
 ]
-
-
-@dataclass
-class PreparedData:
-    train: ray.data.Dataset
-    val: ray.data.Dataset
-    schema: dict[str, Any]  # what the model factory and the bundle need to know about the data
-    preprocessors: dict[str, Any]  # JSON form: {"features": [...], "label": {...} | None}
-    fingerprint: str
-    train_rows: int
-    val_rows: int
-    source: ResolvedSource = field(repr=False)
-    # The validation rows as read (selected columns, no preprocessing): what a served model
-    # would be sent, for comparing bundles on the same rows. Lazy; read again when iterated.
-    val_raw: ray.data.Dataset | None = field(default=None, repr=False)
-
-
-def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> pd.DataFrame:
-    """Keep the `train` or `val` rows of a batch; a row's side depends only on its content and the seed."""
-    if df.empty:
-        return df
-    hashes = pd.util.hash_pandas_object(df, index=False).to_numpy(dtype=np.uint64)
-    # Mix the seed in (pandas ignores hash_key for numeric columns): xor, then one round
-    # of a multiply-xorshift finalizer so each seed gives an unrelated partition.
-    with np.errstate(over="ignore"):
-        mixed = (hashes ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0x9E3779B97F4A7C15)
-    mixed ^= mixed >> np.uint64(31)
-    is_val = (mixed % np.uint64(1_000_000)) < np.uint64(int(val_fraction * 1_000_000))
-    return df[is_val if keep == "val" else ~is_val].reset_index(drop=True)
-
-
-def prepare_data(spec: RunSpec) -> PreparedData:
-    wait_for_data_cpu()
-    d = spec.data
-    text = isinstance(spec.model, GPTSpec)
-    source = resolve_source(d.source, d.format, d.max_bytes)
-    preprocessing = d.model_dump(mode="json", exclude={"source"})
-    if text:
-        preprocessing["context"] = spec.model.context
-    fp = fingerprint(source.paths, source.filesystem, preprocessing)
-
-    ds = _read(source)
-    columns, types = _schema(ds, source)
-    if text:
-        if d.text_column not in columns:
-            raise DataError(
-                f"data.text_column {d.text_column!r} is not a column of {source.description!r}; "
-                f"columns: {', '.join(columns)}; set `--set data.text_column=...`"
-            )
-        ds = ds.select_columns([d.text_column])
-    else:
-        features, label = _check_tabular_columns(spec, source, columns, types)
-        ds = ds.select_columns(features + [label])
-
-    def side(keep: str) -> ray.data.Dataset:
-        return ds.map_batches(
-            split_rows,
-            batch_format="pandas",
-            fn_kwargs={"seed": d.split_seed, "val_fraction": d.val_fraction, "keep": keep},
-        )
-
-    train, val = side("train"), side("val")
-    val_raw = val
-    if text:
-        steps = [ByteWindows(d.text_column, spec.model.context)]
-        label_step = None
-        schema = {"task": "lm", "vocab_size": VOCAB_SIZE, "context": spec.model.context, "text_column": d.text_column}
-    else:
-        steps = tabular_preprocessors(features, d.scaling)
-        task = _task(d.task, types[label])
-        label_step = LabelEncoder(label_column=label) if task == "classification" else None
-        schema = {
-            "task": task,
-            "feature_columns": features,
-            "label_column": label,
-            "num_features": len(features),
-        }
-        for step in steps:
-            if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
-                step.fit(train)
-        if label_step is not None:
-            label_step.fit(train)
-            mapping = label_step.stats_[f"unique_values({label})"]
-            schema["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
-            schema["num_classes"] = len(mapping)
-
-    def transform(ds_side: ray.data.Dataset) -> ray.data.Dataset:
-        for step in steps:
-            ds_side = step.transform(ds_side)
-        if label_step is not None:
-            ds_side = label_step.transform(ds_side)
-        return ds_side
-
-    train, val = transform(train), transform(val)
-    if _should_cache(d.cache, source, text):
-        # Preprocessed once into the object store (not the driver): epochs then cost only
-        # the training, not a re-read and re-transform on the same cores.
-        train, val = train.materialize(), val.materialize()
-    train_rows, val_rows = train.count(), val.count()
-    unit = "context windows" if text else "rows"
-    if train_rows == 0:
-        raise DataError(
-            f"data.source {source.description!r} gives no training {unit}"
-            + ("; the text is shorter than one context window" if text else "; the dataset is empty")
-        )
-    if val_rows == 0:
-        raise DataError(
-            f"the validation split of {source.description!r} is empty ({train_rows} train {unit}); "
-            f"raise `--set data.val_fraction=...` (now {d.val_fraction}) or add data"
-        )
-    return PreparedData(
-        train=train,
-        val=val,
-        schema=schema,
-        preprocessors={
-            "features": [to_json(s) for s in steps],
-            "label": to_json(label_step) if label_step is not None else None,
-        },
-        fingerprint=fp,
-        train_rows=train_rows,
-        val_rows=val_rows,
-        source=source,
-        val_raw=val_raw,
-    )
-
-
-def wait_for_data_cpu(timeout_s: float = 120.0) -> None:
-    """Ray Data's tasks each need a whole free CPU; without one they wait forever. Wait a while
-    (a stopped run's workers release theirs within seconds), then say what holds them."""
-    deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("CPU", 0.0) < 1.0:
-        if time.monotonic() > deadline:
-            total = ray.cluster_resources().get("CPU", 0.0)
-            free = ray.available_resources().get("CPU", 0.0)
-            raise ClusterError(
-                f"Ray Data needs one free CPU to read and preprocess, but only {free:g} of {total:g} have been free "
-                f"for {timeout_s:.0f}s; other runs on the cluster hold the rest (see `ray status`). Placement groups "
-                "of stopped training runs are released by Ray Train's cleaner, which needs the Ray dashboard."
-            )
-        time.sleep(0.5)
-
-
-# Preprocessed size over input size: byte windows hold one int64 per input byte; tabular
-# rows become float32 features from (usually) compressed Parquet.
-_EXPANSION = {True: 8.0, False: 4.0}
-
-
-def _should_cache(policy: str, source: ResolvedSource, text: bool) -> bool:
-    if policy != "auto":
-        return policy == "always"
-    input_bytes = sum(info.size or 0 for info in source.filesystem.get_file_info(source.paths))
-    store = ray.cluster_resources().get("object_store_memory", 0)
-    return input_bytes * _EXPANSION[text] < 0.25 * store
-
-
-def _read(source: ResolvedSource) -> ray.data.Dataset:
-    reader = ray.data.read_parquet if source.format == "parquet" else ray.data.read_csv
-    try:
-        return reader(source.paths, filesystem=source.filesystem)
-    except Exception as e:  # Ray wraps pyarrow's parse errors in many types
-        raise DataError(f"cannot read {source.description!r} as {source.format}: {_first_line(e)}") from None
-
-
-def _schema(ds: ray.data.Dataset, source: ResolvedSource) -> tuple[list[str], dict[str, pa.DataType]]:
-    try:
-        schema = ds.schema()
-    except Exception as e:
-        raise DataError(f"cannot read {source.description!r} as {source.format}: {_first_line(e)}") from None
-    if schema is None:
-        raise DataError(f"data.source {source.description!r} has no rows and no columns; the dataset is empty")
-    return list(schema.names), dict(zip(schema.names, schema.types))
-
-
-def _check_tabular_columns(spec: RunSpec, source, columns, types) -> tuple[list[str], str]:
-    d = spec.data
-    problems = []
-    if d.label is None or d.label not in columns:
-        problems.append(
-            f"label column data.label={d.label!r} is not in {source.description!r}; "
-            f"columns: {', '.join(columns)}; set `--set data.label=<column>`"
-        )
-    features = d.features if d.features is not None else [c for c in columns if c != d.label]
-    missing = [f for f in features if f not in columns]
-    if missing:
-        problems.append(
-            f"feature column(s) {', '.join(map(repr, missing))} from data.features are not in "
-            f"{source.description!r}; columns: {', '.join(columns)}"
-        )
-    for f in features:
-        if f in types and not _numeric(types[f]):
-            problems.append(
-                f"feature column {f!r} is {types[f]}, not numeric; drop it from data.features "
-                "or encode it as numbers before training"
-            )
-    if not features:
-        problems.append(f"{source.description!r} has no feature columns besides the label {d.label!r}")
-    if problems:
-        raise DataError("the data does not match the spec:\n  - " + "\n  - ".join(problems))
-    return list(features), d.label
-
-
-def _numeric(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
-
-
-def _task(requested: str, label_type: pa.DataType) -> str:
-    if requested != "auto":
-        return requested
-    return "regression" if pa.types.is_floating(label_type) or pa.types.is_decimal(label_type) else "classification"
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__

@@ -10,15 +10,18 @@ from flotilla.serve._deploy import (
     DeploymentPlan,
     Endpoint,
     build_application,
+    delete_endpoint,
     deploy,
     plan_deployment,
+    promote_candidate,
+    query_endpoint,
     running_ingress,
     sample_request,
     served_model,
-    traffic_override,
 )
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
+from flotilla.spec import traffic_override
 from flotilla.serve._server import VERSION_HEADER, Classifier, Generator, load_version
 
 __all__ = [
@@ -33,9 +36,12 @@ __all__ = [
     "PredictRequest",
     "TrafficSplit",
     "build_application",
+    "delete_endpoint",
     "deploy",
     "load_version",
     "plan_deployment",
+    "promote_candidate",
+    "query_endpoint",
     "running_ingress",
     "sample_request",
     "served_model",

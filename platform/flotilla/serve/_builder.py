@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flotilla.config import load_spec
+from flotilla.spec import load_spec
 from flotilla.errors import ServeError
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flotilla.cluster import HAPROXY_ENV
-from flotilla.config import RunSpec, ServeSpec
-from flotilla.errors import ServeError, SpecError, TrackingError
+from flotilla.runtime import HAPROXY_ENV
+from flotilla.spec import RunSpec, ServeSpec
+from flotilla.errors import ServeError, TrackingError
 from flotilla.serve._server import Classifier, Generator, replica_limits
 
 APP_KINDS = {"classifier": Classifier, "generator": Generator}
@@ -66,14 +66,6 @@ class Endpoint:
 def served_model(spec: RunSpec, model: str | None = None) -> str:
     """The registered model an endpoint serves: `model`, else serve.model, track.model_name, name."""
     return model or spec.serve.model or spec.track.model_name or spec.name
-
-
-def traffic_override(split: str) -> str:
-    """`champion=90,candidate=10` → the `--set` override `serve.traffic={'champion': 90, ...}`."""
-    pairs = [p.partition("=") for p in split.split(",") if p.strip()]
-    if not pairs or any(not sep for _, sep, _ in pairs):
-        raise SpecError([f"traffic {split!r}: each part is TARGET=WEIGHT, e.g. champion=90,candidate=10"], "traffic split")
-    return "serve.traffic={" + ", ".join(f"{k.strip()!r}: {w.strip()}" for k, _, w in pairs) + "}"
 
 
 def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None) -> DeploymentPlan:
@@ -181,7 +173,7 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     """
     from ray import serve
 
-    from flotilla.train import ensure_ray, started_local_ray
+    from flotilla.runtime import ensure_ray, started_local_ray
 
     s = plan.serve
     ensure_ray(ingress=s.ingress)  # a running cluster must have been started with its ingress
@@ -266,3 +258,53 @@ def sample_request(plan: DeploymentPlan) -> tuple[str, dict[str, Any]]:
         path = mlflow.artifacts.download_artifacts(f"models:/{plan.model}/{version}", dst_path=tmp)
         example = Model.load(path).load_input_example(path)
     return "/predict", {"instances": example.astype("float64").to_numpy().tolist()}
+
+
+def promote_candidate(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None):
+    """Point `champion` at the `candidate` version of the served model (an `AliasChange`)."""
+    from mlflow import MlflowClient
+
+    from flotilla.track import CANDIDATE, CHAMPION, alias_version, resolve_tracking_uri, set_alias
+
+    name = served_model(spec, model)
+    uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
+    client = MlflowClient(uri)
+    version = alias_version(client, name, CANDIDATE)
+    if version is None:
+        raise ServeError(f"{name} has no `candidate` version to promote")
+    return set_alias(client, name, CHAMPION, version)
+
+
+def delete_endpoint(spec: RunSpec, model: str | None = None) -> str:
+    """Remove the served model's Serve application; returns its name."""
+    from ray import serve
+
+    from flotilla.runtime import ensure_ray
+
+    ensure_ray()
+    name = served_model(spec, model)
+    serve.delete(name)
+    return name
+
+
+def query_endpoint(endpoint: Endpoint) -> tuple[bool, list[str]]:
+    """Send the sample request over HTTP; (answered 200, the lines that say what came back)."""
+    import json
+
+    import requests
+
+    from flotilla.serve._server import VERSION_HEADER
+
+    path, body = sample_request(endpoint.plan)
+    response = requests.post(endpoint.url + path, json=body, timeout=60)
+    lines = [f"POST {endpoint.url}{path} -> {response.status_code} from v{response.headers.get(VERSION_HEADER)}"]
+    if response.status_code != 200:
+        return False, lines + [response.text]
+    answer = response.json()
+    if "text" in answer:
+        lines.append(f"prompt {body['prompt']!r} -> {answer['text']!r}")
+    else:
+        probs = [max(p) for p in answer.get("probabilities") or []]
+        shown = ", ".join(f"{pred} (p={p:.2f})" for pred, p in zip(answer["predictions"], probs)) or json.dumps(answer["predictions"])
+        lines.append(f"{len(body['instances'])} rows -> predictions {shown}")
+    return True, lines

@@ -27,7 +27,7 @@ from flotilla.track._run import (
     log_resources,
     open_tracker,
 )
-from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
+from flotilla.track._store import check_tracking_uri, registry_client, resolve_tracking_uri
 
 __all__ = [
     "CANDIDATE",
@@ -47,6 +47,7 @@ __all__ = [
     "log_params",
     "log_resources",
     "open_tracker",
+    "registry_client",
     "resolve_tracking_uri",
     "rollback_champion",
     "set_alias",

@@ -13,7 +13,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from flotilla.config import GATE_RULE, PRIMARY_METRIC, GateSpec
+from flotilla.metrics import primary_metric
+from flotilla.spec import GATE_RULE, GateSpec
 from flotilla.data import TOKENS, ByteWindows
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -48,19 +49,20 @@ def check_rules(gate: GateSpec, metrics: dict[str, Any]) -> GateDecision:
 def compare_with_champion(decision: GateDecision, gate: GateSpec, task: str, candidate: float,
                           champion: float | None, champion_version: str | None, rows: int) -> None:
     """Add the champion comparison to `decision` (no champion yet: the candidate wins)."""
-    metric, mode = PRIMARY_METRIC[task]
+    primary = primary_metric(task)
+    metric = primary.name
     decision.numbers[f"gate.candidate_{metric}"] = candidate
     if champion is None:
-        decision.checks.append(f"no champion yet; {metric} {candidate:.4f} on {rows} validation rows")
+        decision.checks.append(f"no champion yet; {primary.format(candidate)} on {rows} validation rows")
         return
-    ok = candidate >= champion - gate.tolerance if mode == "max" else candidate <= champion + gate.tolerance
+    ok = primary.better(candidate, champion, gate.tolerance)
     decision.passed &= ok
     decision.numbers[f"gate.champion_{metric}"] = champion
     decision.numbers["gate.champion_version"] = champion_version
-    better = "higher" if mode == "max" else "lower"
+    better = "higher" if primary.mode == "max" else "lower"
     decision.checks.append(
-        f"{metric} {candidate:.4f} vs champion v{champion_version} {champion:.4f} on the same {rows} validation rows "
-        f"({better} is better, tolerance {gate.tolerance:g}) {'ok' if ok else 'FAILED'}"
+        f"{primary.format(candidate)} vs champion v{champion_version} {champion:{primary.fmt}} on the same {rows} "
+        f"validation rows ({better} is better, tolerance {gate.tolerance:g}) {'ok' if ok else 'FAILED'}"
     )
 
 

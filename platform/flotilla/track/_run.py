@@ -27,7 +27,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
-from flotilla.config import RunSpec, spec_to_yaml
+from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.errors import BundleError, TrackingError
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
@@ -98,7 +98,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ start
     def start(self, prepared, storage_dir: str) -> None:
-        experiment_id = self._experiment_id()
+        experiment_id = self.experiment_id()
         found = self.client.search_runs(
             [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{self.run_name}'", max_results=2
         )
@@ -180,7 +180,8 @@ class Tracker:
         log_resources(self.client, self.run_id, use)
 
     # ---------------------------------------------------------------- helpers
-    def _experiment_id(self) -> str:
+    def experiment_id(self) -> str:
+        """The id of this run's experiment, created (with the store's artifact location) if new."""
         experiment = self.client.get_experiment_by_name(self.experiment_name)
         if experiment is not None:
             return experiment.experiment_id

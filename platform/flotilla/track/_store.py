@@ -6,27 +6,26 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from flotilla.errors import TrackingError
+from flotilla.errors import TrackingError, summarize
 
-# The embedded default, under the working directory (git ignores it).
-DEFAULT_DIR = "mlruns"
+# The embedded default is MLflow's own (`sqlite:///mlflow.db` in the working directory), so that a
+# plain `mlflow ui` started there shows the runs; artifacts go to `mlruns/` beside the database.
+DEFAULT_DB = "mlflow.db"
+ARTIFACTS_DIR = "mlruns"
 
 
 def resolve_tracking_uri(uri: str | None) -> tuple[str, str | None]:
     """(tracking URI, artifact location for new experiments or None for the store's own default).
 
-    `track.uri`, else $MLFLOW_TRACKING_URI, else a SQLite store in ./mlruns with artifacts beside it.
+    `track.uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory
+    (made absolute: Ray workers and Tune trials run in other directories). A SQLite store keeps
+    its artifacts in `mlruns/` beside the database file.
     """
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        scheme = urlparse(uri).scheme
-        if scheme == "sqlite":
-            # A local artifact root beside the database instead of MLflow's ./mlartifacts default.
-            db = Path(uri.removeprefix("sqlite:///"))
-            return uri, (db.parent / "artifacts").resolve().as_uri()
-        return uri, None
-    root = (Path.cwd() / DEFAULT_DIR).resolve()
-    return f"sqlite:///{root}/mlflow.db", (root / "artifacts").as_uri()
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path.cwd() / DEFAULT_DB).resolve()}"
+    if urlparse(uri).scheme == "sqlite":
+        db = Path(uri.removeprefix("sqlite:///"))
+        return uri, (db.parent / ARTIFACTS_DIR).resolve().as_uri()
+    return uri, None
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
@@ -63,7 +62,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
         try:
             MlflowClient(uri).search_experiments(max_results=1)
         except Exception as e:  # MLflow raises many types: unknown scheme, driver missing, auth
-            raise TrackingError(f"track.uri {uri!r} is not a usable MLflow store: {_first_line(e)}") from None
+            raise TrackingError(f"track.uri {uri!r} is not a usable MLflow store: {summarize(e)}") from None
 
 
 class _quick_http:
@@ -83,6 +82,10 @@ class _quick_http:
                 os.environ[k] = v
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return lines[0][:500] if lines else type(e).__name__
+def registry_client(uri: str | None):
+    """An `MlflowClient` on the store `uri` resolves to (see `resolve_tracking_uri`), checked first."""
+    from mlflow import MlflowClient
+
+    resolved, _ = resolve_tracking_uri(uri)
+    check_tracking_uri(resolved)
+    return MlflowClient(resolved)

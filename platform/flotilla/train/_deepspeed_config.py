@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flotilla.config import TrainSpec
+from flotilla.spec import TrainSpec
 
 
 def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int, int]:

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_fp32_param
 
 from flotilla.bundle import write_bundle
-from flotilla.config import RunSpec
+from flotilla.metrics import TASKS, primary_metric
+from flotilla.spec import RunSpec
 from flotilla.data import FEATURES, TOKENS
 from flotilla.models import build_model, flops_per_token
 from flotilla.train import _checkpoint
@@ -36,6 +37,8 @@ from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
 
 BUNDLE_DIR = "bundle"
+# Within an epoch, rank 0 prints a progress line at most this often.
+PROGRESS_EVERY_S = 10.0
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -58,7 +61,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model_spec = spec.model.model_dump(mode="json")
     model = build_model(model_spec, schema)
     num_params = sum(p.numel() for p in model.parameters())
-    _, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
+    micro_batches, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -98,6 +101,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
         live.start_epoch()
         step_started, data_wait = started, 0.0
+        progress = _Progress(config["run_name"], epoch + 1, t.epochs, micro_batches, enabled=rank == 0)
         batches = iter(train_shard.iter_torch_batches(
             batch_size=t.batch_size,
             dtypes=batch_dtypes,
@@ -121,6 +125,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             samples += len(targets)
             now = time.perf_counter()
             live.step(now - step_started, len(targets), step_loss)
+            progress.step(now, len(targets) * world, step_loss)
             step_started = now
             if schema["task"] == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
@@ -186,14 +191,34 @@ def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
         f"train_loss {m['train_loss']:.4f}",
         f"val_loss {m['val_loss']:.4f}",
     ]
-    for key, fmt in (("val_accuracy", ".4f"), ("val_rmse", ".4f"), ("val_perplexity", ".2f")):
-        if key in m:
-            parts.append(f"{key} {m[key]:{fmt}}")
+    parts += [primary_metric(task).format(m[primary_metric(task).name])
+              for task in TASKS if primary_metric(task).name in m]
     parts.append(f"{m['samples_per_s']:.0f} samples/s")
     if "tokens_per_s" in m:
         parts += [f"{m['tokens_per_s']:.0f} tokens/s", f"MFU {m['mfu']:.1%}"]
     parts.append(f"({m['precision']}, ZeRO-{m['zero_stage']}, {m['world_size']} workers, {m['epoch_time_s']:.1f}s)")
     return "  ".join(parts)
+
+
+class _Progress:
+    """A line every `PROGRESS_EVERY_S` within a long epoch (rank 0): step, samples/s, ETA, so a
+    GPT epoch is not minutes of silence. Epochs shorter than that print only their epoch line."""
+
+    def __init__(self, run_name: str, epoch: int, epochs: int, micro_batches: int, enabled: bool):
+        self.label, self.total, self.enabled = f"[{run_name}] epoch {epoch}/{epochs}", micro_batches, enabled
+        self.started = self.last = time.perf_counter()
+        self.done, self.samples = 0, 0
+
+    def step(self, now: float, samples: int, loss: float) -> None:
+        self.done += 1
+        self.samples += samples
+        if not self.enabled or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        elapsed = now - self.started
+        eta = elapsed / self.done * max(self.total - self.done, 0)
+        print(f"{self.label}  batch {self.done}/{self.total}  loss {loss:.4f}  {self.samples / elapsed:.0f} samples/s  "
+              f"ETA {eta:.0f}s", flush=True)
 
 
 def _batch_dtypes(schema: dict[str, Any]) -> dict[str, torch.dtype]:

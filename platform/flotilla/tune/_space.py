@@ -7,7 +7,7 @@ from typing import Any
 
 from ray import tune
 
-from flotilla.config import RunSpec, TuneSpec, set_path, validate_spec
+from flotilla.spec import RunSpec, TuneSpec, set_path, validate_spec
 
 RESOURCE_PATHS = ("train.num_workers", "train.cpus_per_worker", "train.gpus_per_worker")
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 import ray
 from mlflow import MlflowClient
 from mlflow.entities import Param, RunTag
@@ -26,17 +25,26 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import BasicVariantGenerator
 
 from flotilla.cluster import ResourceUse
-from flotilla.config import RunSpec, spec_to_yaml
-from flotilla.data import filesystem_for, prepare_data
-from flotilla.errors import TrackingError
-from flotilla.track import Registration, Tracker, flatten, log_params, log_resources, resolve_tracking_uri
-from flotilla.track._store import check_tracking_uri
-from flotilla.train import DATA_CPUS, check_cluster_fits, ensure_ray, run_resources, run_training
+from flotilla.spec import RunSpec, spec_to_yaml
+from flotilla.data import filesystem_for, prepare_data, resolve_task
+from flotilla.metrics import mode_of, primary_metric
+from flotilla.errors import TrackingError, summarize
+from flotilla.track import (
+    Registration,
+    Tracker,
+    check_tracking_uri,
+    flatten,
+    log_params,
+    log_resources,
+    resolve_tracking_uri,
+)
+from flotilla.runtime import DATA_CPUS, ensure_ray
+from flotilla.bundle import read_bundle_metrics
+from flotilla.train import check_cluster_fits, find_bundle, local_copy, run_resources, run_training
 from flotilla.tune._plot import plot_sweep
 from flotilla.tune._space import concurrent_slots, largest_trial, trial_spec, tune_domains
 
 SWEEP_TAG, TRIAL_TAG, STOP_TAG = "flotilla.sweep", "flotilla.trial_id", "flotilla.stop_reason"
-HIGHER_IS_BETTER = ("val_accuracy", "train_accuracy", "samples_per_s", "tokens_per_s", "mfu")
 
 
 @dataclass
@@ -77,15 +85,11 @@ class SweepOutcome:
 
 
 def metric_and_mode(spec: RunSpec) -> tuple[str, str]:
+    """What the sweep optimizes: `tune.metric`/`tune.mode`, else the task's primary metric (the one
+    the gate ranks versions by), the task resolved as training will resolve it."""
     t = spec.tune
-    if t.metric:
-        metric = t.metric
-    elif spec.model.kind == "gpt":
-        metric = "val_perplexity"
-    else:
-        metric = {"classification": "val_accuracy", "regression": "val_rmse"}.get(spec.data.task, "val_loss")
-    mode = t.mode or ("max" if metric in HIGHER_IS_BETTER else "min")
-    return metric, mode
+    metric = t.metric or primary_metric(resolve_task(spec)).name
+    return metric, t.mode or mode_of(metric)
 
 
 def run_sweep(spec: RunSpec) -> SweepOutcome:
@@ -218,7 +222,7 @@ def _row(result, spec: RunSpec, sweep: str, metric: str) -> TrialRow:
         status = "early-stopped"
     value = m.get(metric)
     return TrialRow(trial_id, f"{sweep}-{trial_id}", values, float(value) if value is not None else None, epochs, status,
-                    _first_line(result.error) if result.error is not None else "")
+                    summarize(result.error, 300) if result.error is not None else "")
 
 
 def _trial_dirname(trial) -> str:
@@ -236,7 +240,7 @@ class _ParentRun:
         self.client = MlflowClient(uri)
         self.uri, self.name = uri, name
         tracker = Tracker(spec.model_copy(update={"tune": None}), name)
-        experiment_id = tracker._experiment_id()
+        experiment_id = tracker.experiment_id()
         found = self.client.search_runs(
             [experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{name}' and tags.`flotilla.role` = 'sweep'",
             max_results=1,
@@ -300,22 +304,15 @@ class _ParentRun:
     def _register_best(self, outcome: SweepOutcome, spec: RunSpec, runs_storage: str, child) -> Registration | None:
         if child is None:
             return None
-        from flotilla.train import local_copy
-
         best = outcome.best
         best_spec = trial_spec(spec, best.values, **{"train.run_name": best.run_name, "track.uri": self.uri})
         fs, root = filesystem_for(runs_storage, "train.storage_path")
         prepared = prepare_data(best_spec)  # for the input example and the champion comparison
         tracker = Tracker(best_spec, best.run_name)
         tracker.run_id = child.info.run_id
-        bundle = f"{root}/{best.run_name}/bundle"
-        if fs.get_file_info(bundle).type == pafs.FileType.NotFound:
-            # Stopped between its last report and copying the bundle out: the final checkpoint has it.
-            finals = fs.get_file_info(pafs.FileSelector(f"{root}/{best.run_name}", allow_not_found=True))
-            checkpoints = sorted(i.path for i in finals if i.base_name.startswith("checkpoint_epoch"))
-            bundle = f"{checkpoints[-1]}/bundle" if checkpoints else bundle
+        bundle = find_bundle(fs, root, best.run_name)
+        metrics = read_bundle_metrics(fs, bundle)
         with local_copy(fs, bundle) as bundle_dir:
-            metrics = json.loads((bundle_dir / "metrics.json").read_text())
             registration = tracker.register_bundle(bundle_dir, metrics["final"], prepared.fingerprint, prepared)
         self.client.set_tag(self.run_id, "flotilla.registered_version", f"{registration.model_name}/{registration.version}")
         return registration
@@ -325,8 +322,3 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return json.dumps(value) if not isinstance(value, str) else value
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(error).__name__

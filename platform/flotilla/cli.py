@@ -1,0 +1,326 @@
+"""The `flotilla` command: argument parsing and exit codes; every subcommand calls one library entry.
+
+    flotilla train --config configs/digits.yaml --set train.lr=3e-4
+    flotilla --help              # subcommands, exit codes
+    flotilla train --help        # examples for one subcommand
+
+`pipelines/train.py`, `pipelines/deploy.py`, `pipelines/promote.py` and `tune/sweep.py` run the
+subcommand named like the script (for `ray job submit -- python pipelines/train.py ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Callable
+
+from flotilla.errors import EXIT_CODES, FlotillaError, SpecError
+
+EXIT_CODES_TEXT = "exit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in EXIT_CODES.items())
+
+# Each subcommand: (one-line summary, examples shown by --help).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "Train one run: preprocess, train (Ray Train + DeepSpeed), evaluate, bundle, register.",
+        """examples:
+  flotilla train --config configs/digits.yaml
+  flotilla train --config configs/digits.yaml --set train.zero_stage=3 --set model.hidden=[256,128]
+  flotilla train --config configs/digits.yaml --resume                 # the latest run of this spec
+  flotilla train --config configs/digits.yaml --resume digits-20261130-101500
+  ray job submit --working-dir . -- python pipelines/train.py --config configs/digits.yaml
+
+With no Ray cluster running it starts a local one; under `ray job submit` (or with RAY_ADDRESS
+set) it uses that cluster. The run is recorded in MLflow (track.uri; default sqlite:///mlflow.db
+in the working directory, which `mlflow ui` there shows) and its bundle registered.""",
+    ),
+    "sweep": (
+        "Sweep hyperparameters with Ray Tune; every trial is an ordinary training run.",
+        """examples:
+  flotilla sweep --config configs/digits_sweep.yaml
+  flotilla sweep --config configs/digits_sweep.yaml --set tune.num_samples=16 --set tune.search=optuna
+  ray job submit --working-dir . -- python tune/sweep.py --config configs/digits_sweep.yaml
+
+The spec needs a `tune` section. Running the same command again (same tune.name) resumes an
+interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints.""",
+    ),
+    "deploy": (
+        "Deploy a registered model as an HTTP endpoint with Ray Serve (the spec's `serve` section).",
+        """examples:
+  flotilla deploy --config configs/digits.yaml                   # champion, until Ctrl-C
+  flotilla deploy --config configs/digits.yaml --query           # deploy, query once, exit
+  flotilla deploy --config configs/digits.yaml --split champion=90,candidate=10
+  flotilla deploy --config configs/digits.yaml --promote         # candidate -> champion, in place
+  flotilla deploy --config configs/digits.yaml --delete
+
+Against a running cluster (RAY_ADDRESS, `ray start`, `ray job submit`) the endpoint keeps
+running after the command exits, and a second deploy of the same model updates it in place.
+With no cluster, a local one is started and lives as long as the command.""",
+    ),
+    "promote": (
+        "Move a registered model's alias: promote a version, or roll `champion` back.",
+        """examples:
+  flotilla promote --model digits --version 3                  # v3 becomes champion
+  flotilla promote --model digits --version 4 --alias candidate
+  flotilla promote --model digits --rollback                   # champion back to the one before
+  flotilla promote --config configs/digits.yaml --rollback     # model name and store from a spec
+
+The store is --tracking-uri, else the spec's track.uri, else $MLFLOW_TRACKING_URI, else
+sqlite:///mlflow.db in the working directory.""",
+    ),
+    "validate": (
+        "Check a spec (with its overrides) and print it resolved, every default filled in.",
+        """examples:
+  flotilla validate --config configs/digits.yaml
+  flotilla validate --config configs/digits.yaml --set train.zero_stage=3
+
+Prints every problem at once and exits 2 when the spec is not well-formed; Ray does not start.""",
+    ),
+    "config": (
+        "Print the spec reference (Markdown) or the spec's JSON Schema.",
+        """examples:
+  flotilla config                                  # every section and field, default and meaning
+  flotilla config --schema > spec.schema.json      # editors complete and check spec YAML with it""",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code (see `flotilla --help`)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per epoch is the log
+    try:
+        return args.run(args)
+    except FlotillaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _print_resume_hint(args, e.exit_code)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        _print_resume_hint(args, 130)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flotilla",
+        description="Flotilla: raw data to a trained, registered, served model on one Ray cluster.",
+        epilog="Run `flotilla COMMAND --help` for a command's examples.\n\n" + EXIT_CODES_TEXT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(command=None)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+        "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args,
+        "promote": _promote_args, "validate": _spec_args, "config": _config_args,
+    }
+    runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "promote": _promote,
+               "validate": _validate, "config": _config}
+    for name, add_args in commands.items():
+        summary, examples = SUBCOMMANDS[name]
+        p = sub.add_parser(name, help=summary, description=summary, epilog=examples + "\n\n" + EXIT_CODES_TEXT,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_args(p)
+        p.set_defaults(command=name, run=runners[name])
+    return parser
+
+
+# ------------------------------------------------------------------ arguments
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="SPEC.yaml",
+                   help="run spec YAML (default: the built-in defaults, which `flotilla validate` prints)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec field, the value parsed as YAML, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _spec_args(p)
+    p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
+                   help="continue a run from its last checkpoint: RUN by name, or with no name the latest run "
+                        "of this spec under train.storage_path")
+
+
+def _deploy_args(p: argparse.ArgumentParser) -> None:
+    _spec_args(p)
+    p.add_argument("--model", help="registered model (default: serve.model, track.model_name, name)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the spec's track.uri)")
+    p.add_argument("--split", metavar="TARGET=W,...",
+                   help="traffic split by alias or version, e.g. champion=90,candidate=10 (sets serve.traffic)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--promote", action="store_true",
+                        help="point `champion` at the `candidate` version and send it all traffic, in place")
+    action.add_argument("--delete", action="store_true", help="remove the endpoint")
+    p.add_argument("--query", action="store_true", help="send one sample request, print the answer, exit")
+
+
+def _promote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="registered model name (default: the spec's track.model_name or name)")
+    p.add_argument("--config", metavar="SPEC.yaml", help="run spec whose track section names the model and the store")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (overrides the spec)")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--version", help="version to point the alias at")
+    action.add_argument("--rollback", action="store_true", help="point champion back at the previous champion")
+    p.add_argument("--alias", default="champion", help="alias to move with --version (default: %(default)s)")
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schema", action="store_true", help="print the JSON Schema of a spec file instead")
+
+
+# ---------------------------------------------------------------- subcommands
+def _load(args, extra: list[str] = ()):
+    from flotilla.spec import load_spec
+
+    return load_spec(args.config, [*args.overrides, *extra])
+
+
+def _train(args) -> int:
+    spec = _load(args)  # validated before Ray (or torch) is imported
+    from flotilla.metrics import primary_metric
+    from flotilla.train import latest_run, new_run_name, run_training
+
+    if args.resume:
+        name = latest_run(spec) if args.resume == "latest" else args.resume
+        if name is None:
+            raise SpecError([f"--resume: no run of {spec.name!r} under train.storage_path={spec.train.storage_path!r} "
+                             "to resume; train one first, or name it: --resume RUN"], "--resume")
+        spec.train.run_name = name
+    elif spec.train.run_name is None:
+        spec.train.run_name = new_run_name(spec)
+    args.run_name = spec.train.run_name  # for the resume hint, should the run fail
+    outcome = run_training(spec)
+    m = outcome.metrics
+    task = outcome.task
+    print(f"run {outcome.run_name}: {primary_metric(task).format(m[primary_metric(task).name])} after {m['epoch']} "
+          f"epochs; bundle at {outcome.bundle_path}")
+    if outcome.mlflow_run_id:
+        print(f"MLflow run {outcome.mlflow_run_id} at {outcome.tracking_uri}{_browse_hint(outcome.tracking_uri)}")
+    if outcome.registration is not None:
+        print(outcome.registration.describe())
+    return 0
+
+
+def _sweep(args) -> int:
+    spec = _load(args)
+    from flotilla.tune import run_sweep
+
+    if spec.tune is None:
+        raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune)"],
+                        args.config or "built-in default spec")
+    outcome = run_sweep(spec)
+    print(outcome.table())
+    if outcome.best is None:
+        print(f"sweep {outcome.name}: no trial completed")
+        return 1
+    print(f"sweep {outcome.name}: best {outcome.best.run_name} {outcome.metric} {outcome.best.metric:.4f}")
+    if outcome.parent_run_id:
+        print(f"MLflow parent run {outcome.parent_run_id} at {outcome.tracking_uri}{_browse_hint(outcome.tracking_uri)}")
+    if outcome.registration is not None:
+        print(outcome.registration.describe())
+    return 0
+
+
+def _deploy(args) -> int:
+    from flotilla.spec import traffic_override
+
+    extra = [traffic_override(args.split)] if args.split else []
+    if args.promote:
+        extra.append("serve.traffic={champion: 100}")
+    spec = _load(args, extra)  # validated before Ray starts
+    from flotilla.runtime import started_local_ray
+    from flotilla.serve import delete_endpoint, deploy, plan_deployment, promote_candidate, query_endpoint
+
+    if args.delete:
+        print(f"deleted the endpoint {delete_endpoint(spec, args.model)}")
+        return 0
+    if args.promote:
+        print(promote_candidate(spec, args.model, args.tracking_uri).describe("promoted"))
+    plan = plan_deployment(spec, model=args.model, tracking_uri=args.tracking_uri)
+    print(f"deploying {plan.describe()}")
+    endpoint = deploy(plan)
+    for note in endpoint.notes:
+        print(f"note: {note}")
+    print(f"serving {endpoint.plan.kind} {plan.model} at {endpoint.url}  (docs: {endpoint.url}/docs)")
+    if args.query:
+        ok, lines = query_endpoint(endpoint)
+        print("\n".join(lines[:1] + (lines[1:] if ok else [])))
+        if not ok:
+            print("\n".join(lines[1:]), file=sys.stderr)
+        return 0 if ok else 1
+    if started_local_ray():
+        print("no Ray cluster was running, so this one lives as long as this command: Ctrl-C stops it")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _promote(args) -> int:
+    from flotilla.spec import load_spec
+    from flotilla.track import registry_client, rollback_champion, set_alias
+
+    spec = load_spec(args.config) if args.config else None
+    name = args.model or (spec and (spec.track.model_name or spec.name))
+    if not name:
+        raise SpecError(["name the model: --model NAME, or --config SPEC.yaml"], "flotilla promote")
+    client = registry_client(args.tracking_uri or (spec.track.uri if spec else None))
+    if args.rollback:
+        print(rollback_champion(client, name).describe("rolled back"))
+    else:
+        print(set_alias(client, name, args.alias, args.version).describe("promoted"))
+    return 0
+
+
+def _validate(args) -> int:
+    from flotilla.spec import spec_to_yaml
+
+    spec = _load(args)
+    print(f"# {args.config or 'built-in default spec'}: well-formed; resolved with every default:")
+    print(spec_to_yaml(spec), end="")
+    return 0
+
+
+def _config(args) -> int:
+    from flotilla.spec import spec_json_schema, spec_reference_markdown
+
+    print(spec_json_schema() if args.schema else spec_reference_markdown())
+    return 0
+
+
+# ------------------------------------------------------------------- helpers
+def _browse_hint(uri: str | None) -> str:
+    """How to look at a SQLite store: `mlflow ui` in its directory when it is MLflow's default."""
+    if not uri or not uri.startswith("sqlite:///"):
+        return ""
+    from pathlib import Path
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    if db.name == "mlflow.db" and db.parent == Path.cwd().resolve():
+        return "; browse: mlflow ui"
+    return f"; browse: mlflow ui --backend-store-uri {uri}"
+
+
+def _print_resume_hint(args, code: int) -> None:
+    """After a training run failed or was interrupted: the exact command that continues it."""
+    run_name = getattr(args, "run_name", None)
+    if args.command != "train" or run_name is None or code not in (1, 3, 130):
+        return
+    words = ["flotilla", "train"]
+    if args.config:
+        words += ["--config", args.config]
+    for item in args.overrides:
+        words += ["--set", item]
+    words += ["--resume", run_name]
+    print(f"resume with: {shlex.join(words)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The Ray cluster every stage runs on: connect to the one given, or start a local one.
+
+    ensure_ray(spec)          # RAY_ADDRESS / `ray job submit` / a `ray start` cluster, else a local Ray
+    started_local_ray()       # True when this process started its own (it ends with the process)
+
+A local cluster gets enough logical CPUs for the spec's workers plus Ray Data's tasks, and Serve's
+HAProxy ingress when the spec asks for it. `platform/flotilla` travels to every worker as a
+runtime_env py_module, so a cluster runs the checkout as it is, without installing Flotilla on
+its nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+
+if TYPE_CHECKING:
+    from flotilla.spec import RunSpec
+
+PACKAGE_DIR = str(Path(__file__).resolve().parent)
+# Ray Data's read and transform tasks need a CPU slot of their own while the workers hold
+# theirs; with none left the input pipeline never starts and training waits forever.
+DATA_CPUS = 1
+# Ray Serve's HAProxy ingress (`serve.ingress: haproxy`): replicas serve HTTP on ports of their own
+# (direct ingress) and the HAProxy that ships with Ray balances them; the throughput-optimized
+# settings (gRPC between Serve's processes, user code on the replica's main loop) come with it.
+# Serve reads them when its processes start: they belong in the environment of `ray start`.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+_STARTED_LOCAL = False
+
+
+def ensure_ray(spec: RunSpec | None = None, *, ingress: str | None = None, **init_kwargs) -> None:
+    """Connect to the cluster in RAY_ADDRESS (or the job's, or one `ray start` left here), or start
+    a local one sized for `spec`; `ingress` (default: the spec's `serve.ingress`) decides whether a
+    local cluster starts Serve's HAProxy ingress. `init_kwargs` go to `ray.init`."""
+    if not ray.is_initialized():
+        _init_ray(spec, ingress or (spec.serve.ingress if spec is not None else "proxy"), init_kwargs)
+    ctx = ray.data.DataContext.get_current()
+    # The driver prints one line per epoch; Ray Data's per-operator progress lines would bury them.
+    ctx.enable_progress_bars = False
+    ctx.enable_operator_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def started_local_ray() -> bool:
+    """True when this process started its own local Ray (it ends with the process)."""
+    return _STARTED_LOCAL and ray.is_initialized()
+
+
+def cluster_address() -> str | None:
+    """The cluster `ray.init()` would join: RAY_ADDRESS, a `ray job submit` job's, or one that
+    `ray start` left on this machine. None means `ray.init()` starts a local cluster."""
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return os.environ.get("RAY_ADDRESS", "job")
+    from ray._private.services import canonicalize_bootstrap_address  # the lookup ray.init() does
+
+    try:
+        return canonicalize_bootstrap_address(None)
+    except Exception:  # a stale address file: ray.init() will say so itself
+        return None
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """These environment variables while the block runs (processes started in it keep them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
+    global _STARTED_LOCAL
+    joining = "address" in init_kwargs and init_kwargs["address"] != "local"
+    _STARTED_LOCAL = not joining and ("address" in init_kwargs or not cluster_address())
+    if spec is not None and _STARTED_LOCAL:
+        needed = spec.train.num_workers * spec.train.cpus_per_worker + DATA_CPUS
+        init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
+        init_kwargs.setdefault("num_gpus", _local_gpus())
+    # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
+    env = HAPROXY_ENV if ingress == "haproxy" and _STARTED_LOCAL else {}
+    # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
+    # local fake cluster needs it: its nodes share one runtime_resources directory, and each
+    # node that unpacks a shipped package deletes the copy the others are running from.
+    ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
+    with environment(env):  # Ray's processes keep it; this process gets its own back
+        ray.init(runtime_env={"py_modules": [PACKAGE_DIR]} if ship else None, **init_kwargs)
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,0 +1,85 @@
+"""Loading a spec: YAML, `--set a.b=c` overrides (the value parsed as YAML), validation.
+
+    spec = load_spec("configs/digits.yaml", overrides=["train.lr=3e-4", "model.hidden=[256,128]"])
+
+Validation happens here, before Ray starts, and reports every problem at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from flotilla.errors import SpecError
+from flotilla.spec._messages import describe
+from flotilla.spec._paths import set_path
+from flotilla.spec._sections import RunSpec
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
+    """Load a YAML run spec, apply `a.b=c` overrides, validate, and return it.
+
+    Raises `SpecError` listing every problem at once.
+    """
+    source = str(path) if path else "built-in default spec"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError([f"config file {str(p)!r} does not exist; configs/ has {_nearby_specs(p)}"], source)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise SpecError([f"not valid YAML: {e}"], source) from None
+        if not isinstance(raw, dict):
+            raise SpecError([f"the top level must be a mapping of sections, got {type(raw).__name__}"], source)
+    problems = []
+    for item in overrides or []:
+        try:
+            apply_override(raw, item)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise SpecError(problems, source)
+    return validate_spec(raw, source)
+
+
+def validate_spec(raw: dict[str, Any], source: str = "run spec") -> RunSpec:
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as e:
+        raise SpecError([describe(err, RunSpec) for err in e.errors()], source) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set a.b.c=value` override in place; the value is parsed as YAML."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} must look like `section.field=value`, e.g. `train.lr=3e-4`")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    set_path(raw, key.strip(), parsed, f"override {item!r}")
+
+
+def spec_to_yaml(spec: RunSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def _nearby_specs(missing: Path) -> str:
+    """The YAML files beside the missing one (or in ./configs), for the error message."""
+    folder = missing.parent if missing.parent.is_dir() else Path("configs")
+    found = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+    return ", ".join(str(c) for c in found) or "no YAML files"
+
+
+def traffic_override(split: str) -> str:
+    """`champion=90,candidate=10` → the `--set` override `serve.traffic={'champion': 90, ...}`."""
+    pairs = [p.partition("=") for p in split.split(",") if p.strip()]
+    if not pairs or any(not sep for _, sep, _ in pairs):
+        raise SpecError([f"traffic {split!r}: each part is TARGET=WEIGHT, e.g. champion=90,candidate=10"], "traffic split")
+    return "serve.traffic={" + ", ".join(f"{k.strip()!r}: {w.strip()}" for k, _, w in pairs) + "}"

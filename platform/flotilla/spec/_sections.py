@@ -1,0 +1,325 @@
+"""The run spec's sections: one pydantic model per section, a description on every field.
+
+The descriptions are the one source of the spec reference (`flotilla config`) and the JSON
+Schema (`flotilla config --schema`). Error messages name fields as the user writes them in
+`--set section.field=value`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field, ValidationError, model_validator
+
+from flotilla.metrics import gate_metrics
+from flotilla.spec._base import _Section
+from flotilla.spec._messages import describe, divisor_near
+from flotilla.spec._paths import set_path
+from flotilla.spec._serve import ServeSpec
+from flotilla.spec._tune import TuneSpec
+
+
+# --------------------------------------------------------------------------- data
+class DataSpec(_Section):
+    """Where the rows come from and how they become tensors."""
+
+    source: str = Field(
+        "digits",
+        description="`digits` or `pycode` (built-in samples that need no download), or a Parquet/CSV "
+        "file, directory or glob: a local path or a pyarrow filesystem URI such as `s3://bucket/prefix/`.",
+    )
+    format: Literal["auto", "parquet", "csv"] = Field(
+        "auto", description="File format; `auto` decides from the file extension."
+    )
+    features: Optional[list[str]] = Field(
+        None, description="Feature columns (numeric). Null means every column except `label`."
+    )
+    label: Optional[str] = Field(
+        "target", description="Label column (classification or regression). Unused for text sources."
+    )
+    text_column: str = Field("text", description="Text column for language-model sources.")
+    task: Literal["auto", "classification", "regression"] = Field(
+        "auto",
+        description="`auto` treats string, boolean and integer labels as classes and float labels "
+        "as regression targets.",
+    )
+    scaling: Literal["standard", "minmax", "none"] = Field(
+        "standard", description="Numeric feature scaling, fitted on the train split only."
+    )
+    val_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of rows (or documents, for text) held out for validation."
+    )
+    split_seed: int = Field(
+        0, description="Seed of the train/validation split; the split is a hash of each row's content "
+        "and this seed, so it does not depend on file order or block layout."
+    )
+    cache: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Keep the preprocessed splits in Ray's object store instead of re-reading and "
+        "re-transforming the source every epoch. `auto` caches when the estimate is under a quarter of "
+        "the object store; larger data always streams.",
+    )
+    max_bytes: Optional[int] = Field(
+        2_000_000,
+        gt=0,
+        description="For `pycode`: stop adding standard-library files once the corpus has this many "
+        "bytes (keeps CPU runs short). Null takes every file.",
+    )
+
+
+# -------------------------------------------------------------------------- models
+Activation = Literal["relu", "gelu", "tanh", "silu"]
+
+
+class MLPSpec(_Section):
+    """A multi-layer perceptron for classification or regression on numeric features."""
+
+    kind: Literal["mlp"] = Field("mlp", description="Model kind: `mlp`, `gpt` or `custom`.")
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+        [128, 64], description="Hidden layer widths, input to output."
+    )
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout after each hidden layer.")
+    activation: Activation = Field("relu", description="Hidden-layer activation.")
+
+
+class GPTSpec(_Section):
+    """A decoder-only transformer language model over bytes."""
+
+    kind: Literal["gpt"] = Field("gpt", description="Model kind: `mlp`, `gpt` or `custom`.")
+    layers: int = Field(4, gt=0, description="Transformer blocks.")
+    heads: int = Field(4, gt=0, description="Attention heads per block; must divide `width`.")
+    width: int = Field(128, gt=0, description="Embedding width (d_model).")
+    context: int = Field(128, gt=1, description="Context length in tokens (bytes).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention and MLP outputs.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in the backward pass (less memory, ~30% more compute)."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "GPTSpec":
+        if self.width % self.heads:
+            raise ValueError(
+                f"`model.heads` ({self.heads}) must divide `model.width` ({self.width}); "
+                f"try `--set model.heads={divisor_near(self.width, self.heads)}`"
+            )
+        return self
+
+
+class CustomModelSpec(_Section):
+    """A user model: `factory(model_spec: dict, schema: dict) -> torch.nn.Module`."""
+
+    kind: Literal["custom"] = Field("custom", description="Model kind: `mlp`, `gpt` or `custom`.")
+    factory: str = Field(
+        ..., description="Import path `package.module:function`, importable from the working directory."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form options passed to the factory inside the model spec."
+    )
+
+
+ModelSpec = Annotated[Union[MLPSpec, GPTSpec, CustomModelSpec], Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------- train
+class TrainSpec(_Section):
+    """How the model is trained: Ray Train workers, DeepSpeed, schedule, checkpoints."""
+
+    num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs reserved per worker; also its torch thread count.")
+    gpus_per_worker: float = Field(0, ge=0, description="GPUs per worker; > 0 trains on CUDA with NCCL.")
+    epochs: int = Field(10, gt=0, description="Passes over the train split.")
+    batch_size: int = Field(64, gt=0, description="Micro-batch per worker per step.")
+    grad_accum: int = Field(
+        1, gt=0, description="Micro-batches accumulated per optimizer step (simulates a larger batch)."
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of optimizer steps spent warming the LR up linearly."
+    )
+    min_lr_ratio: float = Field(
+        0.01, ge=0, le=1, description="Cosine decay ends at `lr * min_lr_ratio`."
+    )
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO-Offload of optimizer state to CPU memory (stages 1-3, GPU training)."
+    )
+    offload_params: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO-Infinity offload of parameters to CPU memory (stage 3, GPU training)."
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="`auto`: bf16 on GPUs that support it, fp16 with dynamic loss scaling on older GPUs, "
+        "fp32 on CPUs without native bf16 matrix units.",
+    )
+    seed: int = Field(0, description="Seed for weights, dropout and data order.")
+    max_failures: int = Field(
+        2, ge=-1, description="Worker failures to recover from (restart + resume from the last checkpoint); -1 is unlimited."
+    )
+    run_name: Optional[str] = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name of the run under `storage_path`. Re-running with the same name resumes it; "
+        "null makes a new name from the spec name and the time.",
+    )
+    storage_path: str = Field(
+        "runs", description="Where checkpoints and the bundle go: a local directory or a pyarrow URI."
+    )
+    checkpoints_to_keep: int = Field(
+        2, ge=1, description="Checkpoints kept per run; more than one lets a torn latest fall back to the one before."
+    )
+    scale_up_timeout_s: float = Field(
+        600,
+        ge=0,
+        description="On a running cluster too small for the workers: how long to wait for its autoscaler to add "
+        "nodes before failing (a cluster whose autoscaler launches nothing fails after ~30 s).",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> "TrainSpec":
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise ValueError(
+                "`train.offload_params` needs ZeRO stage 3: `--set train.zero_stage=3` or `--set train.offload_params=none`"
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                "`train.offload_optimizer` needs ZeRO stage 1, 2 or 3: `--set train.zero_stage=2` or `--set train.offload_optimizer=none`"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------- track
+# A gate rule: `<metric> <op> <number>`, e.g. `val_accuracy >= 0.95`.
+GATE_RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+class GateSpec(_Section):
+    """When a newly registered version is also promoted to `champion`."""
+
+    require: list[str] = Field(
+        default_factory=list,
+        description="Rules on the run's final metrics, all of which must hold, e.g. `val_accuracy >= 0.95`.",
+    )
+    beat_champion: bool = Field(
+        False,
+        description="Also require the new version to be no worse than the current `champion` on this run's "
+        "validation rows (both evaluated there from their bundles, on the task's main metric).",
+    )
+    tolerance: float = Field(
+        0.0, ge=0, description="How much worse than the champion still counts as no worse (absolute, same units)."
+    )
+
+    @model_validator(mode="after")
+    def _rules_parse(self) -> "GateSpec":
+        known = sorted(gate_metrics())
+        bad = []
+        for rule in self.require:
+            match = GATE_RULE.match(rule)
+            if not match:
+                bad.append(f"{rule!r} is not `<metric> <op> <number>` (op one of >=, <=, >, <)")
+            elif match.group(1) not in known:
+                bad.append(f"{rule!r}: unknown metric {match.group(1)!r}; gates can test {', '.join(known)}")
+        if bad:
+            raise ValueError("`track.gate.require`: " + "; ".join(bad))
+        return self
+
+
+class TrackSpec(_Section):
+    """MLflow: where runs are recorded and which registered model a run's bundle becomes."""
+
+    enabled: bool = Field(True, description="Record the run in MLflow and register its model.")
+    uri: Optional[str] = Field(
+        None,
+        description="MLflow tracking URI: `http(s)://host:port` for a tracking server, or a database URI. "
+        "Null uses $MLFLOW_TRACKING_URI, else MLflow's own default, `sqlite:///mlflow.db` in the working "
+        "directory (artifacts in `mlruns/` beside it), which a plain `mlflow ui` started there shows.",
+    )
+    experiment: Optional[str] = Field(None, description="MLflow experiment; null uses the spec's `name`.")
+    model_name: Optional[str] = Field(
+        None, description="Registered model that each successful run adds a version to; null uses the spec's `name`."
+    )
+    register_model: bool = Field(
+        True, description="Register the bundle as a new model version with the alias `candidate`."
+    )
+    gate: GateSpec = Field(default_factory=GateSpec, description="The quality gate for promotion to `champion`.")
+
+
+# ------------------------------------------------------------------------ cost
+class CostSpec(_Section):
+    """Prices for the resource accounting of runs and sweeps (CPU-hours, GPU-hours, cost)."""
+
+    cpu_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one CPU for one hour. Null: from the nodes' `flotilla.io/price-per-hour` "
+        "labels (cluster.yaml), else no cost estimate."
+    )
+    gpu_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one GPU for one hour (null: from the node labels, as cpu_hour)."
+    )
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="Currency of the prices (ISO 4217 code).")
+
+
+# ---------------------------------------------------------------------------- spec
+class RunSpec(_Section):
+    """One reproducible run."""
+
+    name: str = Field(
+        "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Name of the spec; prefixes run names."
+    )
+    data: DataSpec = Field(default_factory=DataSpec, description="Input data and preprocessing.")
+    model: ModelSpec = Field(default_factory=MLPSpec, description="The model to train.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Training and checkpoints.")
+    track: TrackSpec = Field(default_factory=TrackSpec, description="Experiment tracking and the model registry.")
+    tune: Optional[TuneSpec] = Field(None, description="A hyperparameter sweep over this spec (`tune/sweep.py`).")
+    serve: ServeSpec = Field(default_factory=ServeSpec, description="The HTTP endpoint (`pipelines/deploy.py`).")
+    cost: CostSpec = Field(default_factory=CostSpec, description="Prices for resource accounting.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_kind_defaults_to_mlp(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "kind" not in raw["model"]:
+            raw = {**raw, "model": {"kind": "mlp", **raw["model"]}}
+        return raw
+
+    def _space_paths_problems(self) -> list[str]:
+        """Every value the sweep can give each path must make a valid spec (ranges: both ends)."""
+        base = self.model_dump(mode="json", exclude={"tune"})
+        problems = []
+        for path, dim in self.tune.space.items():
+            kind, arg = next(iter(dim.items()))
+            for value in arg:
+                raw = copy.deepcopy(base)
+                try:
+                    set_path(raw, path, value)
+                    RunSpec.model_validate(raw)
+                except ValueError as e:
+                    errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e), "type": "x"}]
+                    problems += [f"`tune.space.{path}` = {value!r}: {describe(err, RunSpec)}" for err in errors]
+                    break
+        return problems
+
+    @model_validator(mode="after")
+    def _model_fits_data(self) -> "RunSpec":
+        if isinstance(self.model, GPTSpec) and self.data.source == "digits":
+            raise ValueError("`model.kind: gpt` needs a text source: `--set data.source=pycode`, or a file with a text column")
+        if isinstance(self.model, MLPSpec) and self.data.source == "pycode":
+            raise ValueError("`data.source: pycode` is text; train a language model on it: `--set model.kind=gpt`")
+        if self.tune is not None:
+            problems = self._space_paths_problems()
+            if problems:
+                raise ValueError("; ".join(problems))
+        if isinstance(self.model, GPTSpec):
+            lm = gate_metrics("lm")
+            for rule in self.track.gate.require:
+                match = GATE_RULE.match(rule)
+                if match and match.group(1) not in lm:
+                    raise ValueError(
+                        f"`track.gate.require`: {rule!r} tests {match.group(1)!r}, which a gpt run does not report; "
+                        f"use one of {', '.join(lm)}"
+                    )
+        return self
+
+

@@ -1,0 +1,251 @@
+"""The driver side of one training run: check the cluster, prepare the data, fit, bundle, record."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+import torch
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from flotilla.bundle import read_bundle_metrics
+from flotilla.cluster import ResourceUse, prices_for, resource_use, wait_for_room
+from flotilla.data import filesystem_for, prepare_data
+from flotilla.errors import ClusterError, FlotillaError, TrainingError, summarize
+from flotilla.models import build_model
+from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
+from flotilla.spec import RunSpec, spec_to_yaml
+from flotilla.track import open_tracker
+from flotilla.train._loop import BUNDLE_DIR, train_loop_per_worker
+
+
+@dataclass
+class TrainingOutcome:
+    run_name: str
+    run_dir: str  # storage_path/run_name (a local path or a URI)
+    task: str  # classification | regression | lm (see flotilla.metrics)
+    bundle_path: str
+    metrics: dict[str, Any]  # the last epoch's
+    history: list[dict[str, Any]] = field(default_factory=list)
+    fingerprint: str = ""
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    registration: Any = None  # flotilla.track.Registration when the bundle was registered
+    resources: ResourceUse | None = None  # what the workers held while training, and its cost
+
+
+def check_cluster_fits(spec: RunSpec) -> None:
+    """Fail fast when the workers can never be placed, instead of pending forever.
+
+    On a running cluster a shortfall first goes to its autoscaler, which has
+    `train.scale_up_timeout_s` to add the nodes (see `flotilla.cluster.wait_for_room`).
+    """
+    t = spec.train
+    worker = {"CPU": t.cpus_per_worker, "GPU": t.gpus_per_worker}
+    need = {"CPU": t.num_workers * t.cpus_per_worker + DATA_CPUS, "GPU": t.num_workers * t.gpus_per_worker}
+    missing, why = wait_for_room(need, [worker] * t.num_workers + [{"CPU": DATA_CPUS}],
+                            timeout_s=t.scale_up_timeout_s, may_wait=not started_local_ray(),
+                            label=t.run_name or spec.name)
+    problems = []
+    for resource, (amount, have) in missing.items():
+        per = "cpus_per_worker" if resource == "CPU" else "gpus_per_worker"
+        data_note = f" plus {DATA_CPUS} for Ray Data's input pipeline" if resource == "CPU" else ""
+        problems.append(
+            f"train.num_workers={t.num_workers} x train.{per}={getattr(t, per):g} needs "
+            f"{amount - (DATA_CPUS if resource == 'CPU' else 0):g} {resource}s{data_note}, but the cluster has "
+            f"{have:g} in all; lower train.num_workers or train.{per}, or add nodes"
+        )
+    if problems:
+        if why:
+            problems.append(why)
+        raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
+
+
+def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: dict[str, str] | None = None) -> TrainingOutcome:
+    """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
+
+    `callbacks` are extra Ray Train `UserCallback`s (a Tune trial passes Tune's report callback);
+    `tracking_tags` are set on the run's MLflow run (a sweep links trials to its parent run).
+    """
+    started = time.monotonic()
+    t = spec.train
+    run_name = t.run_name or new_run_name(spec)
+    fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
+    # What Ray Train gets: the URI as written, or the local path made absolute.
+    storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
+    tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
+    ensure_ray(spec)
+    check_cluster_fits(spec)
+
+    prepared = prepare_data(spec)
+    print(
+        f"[{run_name}] data {prepared.source.description!r}: {prepared.train_rows} train / {prepared.val_rows} val "
+        f"rows, fingerprint {prepared.fingerprint[:12]}",
+        flush=True,
+    )
+    # Build the model once here, on the meta device (no memory, no compute): a broken factory
+    # fails now with its own message instead of on every worker after each restart.
+    with torch.device("meta"):
+        build_model(spec.model.model_dump(mode="json"), prepared.schema)
+    _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
+    if tracker is not None:
+        tracker.start(prepared, f"{storage}/{run_name}")
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "spec": spec.model_dump(mode="json"),
+            "schema": prepared.schema,
+            "preprocessors": prepared.preprocessors,
+            "fingerprint": prepared.fingerprint,
+            "train_rows": prepared.train_rows,
+            "run_name": run_name,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=t.num_workers,
+            use_gpu=t.gpus_per_worker > 0,
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+            callbacks=([tracker.callback()] if tracker is not None else []) + list(callbacks),
+        ),
+        datasets={"train": prepared.train, "val": prepared.val},
+    )
+    fit_started = time.monotonic()
+    try:
+        result = trainer.fit()
+        if result.checkpoint is None:
+            raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
+    except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
+        error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
+        use = run_resources(spec, time.monotonic() - fit_started)
+        print(f"[{run_name}] {use.describe()}", flush=True)
+        if tracker is not None:
+            tracker.fail(error, use)
+        if error is e:
+            raise
+        raise error from e
+
+    # The bundle travelled inside the final checkpoint; give it a stable place in the run.
+    bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
+    fs.create_dir(bundle_fs_path, recursive=True)
+    pafs.copy_files(
+        f"{result.checkpoint.path}/{BUNDLE_DIR}",
+        bundle_fs_path,
+        source_filesystem=result.checkpoint.filesystem,
+        destination_filesystem=fs,
+    )
+    bundle_metrics = read_bundle_metrics(fs, bundle_fs_path)
+    use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"))
+    print(f"[{run_name}] {use.describe()}", flush=True)
+    outcome = TrainingOutcome(
+        run_name=run_name,
+        run_dir=f"{storage}/{run_name}",
+        task=prepared.schema["task"],
+        bundle_path=f"{storage}/{run_name}/{BUNDLE_DIR}",
+        metrics=bundle_metrics["final"],
+        history=bundle_metrics["history"],
+        fingerprint=prepared.fingerprint,
+        resources=use,
+    )
+    if tracker is not None:
+        outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
+        with local_copy(fs, bundle_fs_path) as local_bundle:
+            outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
+    return outcome
+
+
+def new_run_name(spec: RunSpec) -> str:
+    """The name a run gets when `train.run_name` is null: the spec's name and the time."""
+    return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def latest_run(spec: RunSpec) -> str | None:
+    """The newest run of this spec under `train.storage_path` (named `<name>-<time>`, with its
+    spec.yaml written), or None when there is none."""
+    fs, root = filesystem_for(spec.train.storage_path, "train.storage_path")
+    found = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    stamp = re.compile(re.escape(spec.name) + r"-\d{8}-\d{6}$")
+    runs = sorted(i.base_name for i in found if i.type == pafs.FileType.Directory and stamp.match(i.base_name))
+    runs = [r for r in runs if fs.get_file_info(f"{root}/{r}/spec.yaml").type == pafs.FileType.File]
+    return runs[-1] if runs else None
+
+
+def run_resources(spec: RunSpec, wall_time_s: float, worker_nodes: list[str] | None = None) -> ResourceUse:
+    """What a run's reservation (its workers plus Ray Data's CPU) held for `wall_time_s`, priced by the
+    spec or by the price labels of the nodes its workers ran on."""
+    t = spec.train
+    return resource_use(
+        wall_time_s,
+        cpus=t.num_workers * t.cpus_per_worker + DATA_CPUS,
+        gpus=t.num_workers * t.gpus_per_worker,
+        prices=prices_for(spec.cost, worker_nodes),
+    )
+
+
+def find_bundle(fs: pafs.FileSystem, root: str, run_name: str) -> str:
+    """The bundle of a finished run under `root` (a path on `fs`): `<run>/bundle`, or the one inside
+    its final checkpoint when the run stopped between its last report and copying it out."""
+    bundle = f"{root}/{run_name}/{BUNDLE_DIR}"
+    if fs.get_file_info(bundle).type != pafs.FileType.NotFound:
+        return bundle
+    found = fs.get_file_info(pafs.FileSelector(f"{root}/{run_name}", allow_not_found=True))
+    checkpoints = sorted(i.path for i in found if i.base_name.startswith("checkpoint_epoch"))
+    return f"{checkpoints[-1]}/{BUNDLE_DIR}" if checkpoints else bundle
+
+
+@contextlib.contextmanager
+def local_copy(fs: pafs.FileSystem, path: str):
+    """A local directory with the contents of `path`: itself when local, else a temporary copy."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield Path(tmp)
+
+
+def _write_run_record(fs: pafs.FileSystem, root: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
+    fs.create_dir(f"{root}/{run_name}", recursive=True)
+    with fs.open_output_stream(f"{root}/{run_name}/spec.yaml") as f:
+        f.write(spec_to_yaml(spec).encode())
+    with fs.open_output_stream(f"{root}/{run_name}/fingerprint.txt") as f:
+        f.write(f"{fingerprint}\n".encode())
+
+
+def _explain(error: ray.train.TrainingFailedError) -> FlotillaError:
+    """The workers' own exception, not Ray's wrapper: a FlotillaError as is, else a TrainingError."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        root = _root_cause(failure)
+        if isinstance(root, FlotillaError):
+            return root
+        return TrainingError(f"training failed on rank {rank}: {summarize(root)}")
+    root = _root_cause(error)
+    if isinstance(root, FlotillaError):
+        return root
+    return TrainingError(f"training failed: {summarize(root)}")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, FlotillaError):
+            return exc
+        nxt = getattr(exc, "cause", None) or exc.__cause__ or getattr(exc, "controller_failure", None)
+        if not isinstance(nxt, BaseException):
+            break
+        exc = nxt
+    return exc
