@@ -4,13 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # torch is installed first, on its own: without an NVIDIA GPU the pinned release resolves to
-# the CPU build (see ../shared/MACHINE_NOTES.md); an unpinned torch pulls a multi-GB CUDA build.
+# the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 # Elsewhere, point TORCH_PIP_ARGS at a CPU wheel index, e.g. TORCH_PIP_ARGS="--index-url <url>".
 TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: demo test test-unit test-integration install clean benchmark benchmark-tune benchmark-serve cluster-local
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve cluster-local clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,31 +22,32 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PIP) install --quiet -c requirements.lock -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed ## create .venv and install Flotilla (the `flotilla` command) into it
 
-demo: $(VENV)/.installed
-	$(PY) pipelines/train.py --config configs/digits.yaml
-	$(PY) pipelines/deploy.py --config configs/digits.yaml --query
+demo: $(VENV)/.installed ## train the default model on a local Ray, register it, serve it, query it
+	$(VENV)/bin/flotilla train --config configs/digits.yaml
+	$(VENV)/bin/flotilla deploy --config configs/digits.yaml --query
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed test-services ## the whole suite (unit, integration, slow); PYTEST_ARGS passes options
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-unit: $(VENV)/.installed
+test-unit: $(VENV)/.installed ## the unit tests only (no Ray, seconds)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-benchmark: $(VENV)/.installed
+test-services: ## install the servers the suite runs (PostgreSQL, Prometheus) where missing
+	ops/install_test_services.sh
+
+benchmark: $(VENV)/.installed ## training throughput against bare DeepSpeed and a bare torch loop
 	$(PY) benchmarks/train_throughput.py
 
-benchmark-tune: $(VENV)/.installed
+benchmark-tune: $(VENV)/.installed ## sweep overhead: trial start-up and the share of time spent training
 	$(PY) benchmarks/tune_overhead.py --trials 4
 
-benchmark-serve: $(VENV)/.installed
+benchmark-serve: $(VENV)/.installed ## serving requests/s and latency against plain FastAPI
 	$(PY) benchmarks/serve_throughput.py
 
-# Autoscaling on this machine: cluster.local.yaml's head (no CPUs), a training job that needs
-# worker nodes, the autoscaler adding them and removing them when idle; stops what it started.
-cluster-local: $(VENV)/.installed
+cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py
 
-clean:
+clean: ## remove runs, the local MLflow store and caches
 	rm -rf runs mlruns mlflow.db .pytest_cache

@@ -33,16 +33,9 @@ def _pg_binary(name: str) -> str | None:
 
 
 def _ensure_postgres_installed() -> None:
-    if _pg_binary("initdb") and _pg_binary("pg_ctl"):
-        return
-    if os.geteuid() == 0 and shutil.which("apt-get"):  # Debian's package, as the machine notes say
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "postgresql"],
-                       check=True, env=env, capture_output=True, timeout=900)
     if not (_pg_binary("initdb") and _pg_binary("pg_ctl")):
-        raise RuntimeError("PostgreSQL's initdb/pg_ctl are not installed and could not be installed with apt-get; "
-                           "install Debian's `postgresql` package")
+        raise RuntimeError("PostgreSQL's initdb/pg_ctl are not installed; `make test` installs them "
+                           "(ops/install_test_services.sh), or install Debian's `postgresql` package")
 
 
 @contextlib.contextmanager
@@ -117,20 +110,9 @@ def _running(command: list[str], ready_url: str, log_path: Path, name: str, time
 
 def _ensure_prometheus_installed() -> str:
     found = shutil.which("prometheus")
-    if found:
-        return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):  # Debian's package, as the machine notes say
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
-        if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True, timeout=600)
-            subprocess.run(install, check=True, env=env, capture_output=True, timeout=900)
-        # The package starts its own service where it can; the tests run their own server only.
-        subprocess.run(["systemctl", "disable", "--now", "prometheus"], capture_output=True, timeout=60)
-    found = shutil.which("prometheus")
     if not found:
-        raise RuntimeError("`prometheus` is not installed and could not be installed with apt-get; "
-                           "install Debian's `prometheus` package")
+        raise RuntimeError("`prometheus` is not installed; `make test` installs it (ops/install_test_services.sh), "
+                           "or install Debian's `prometheus` package")
     return found
 
 

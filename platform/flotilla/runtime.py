@@ -12,6 +12,7 @@ its nodes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from pathlib import Path
@@ -32,6 +33,10 @@ DATA_CPUS = 1
 # Serve reads them when its processes start: they belong in the environment of `ray start`.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
+# The environment of every task and actor this driver starts. Ray Train's workers send each
+# `print` both to the console and through a logger that prints it again: one line is enough.
+WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
 _STARTED_LOCAL = False
 
 
@@ -44,8 +49,24 @@ def ensure_ray(spec: RunSpec | None = None, *, ingress: str | None = None, **ini
     ctx = ray.data.DataContext.get_current()
     # The driver prints one line per epoch; Ray Data's per-operator progress lines would bury them.
     ctx.enable_progress_bars = False
-    ctx.enable_operator_progress_bars = False
     ctx.print_on_execution_start = False
+    quiet_process_logs()
+
+
+class _RayDataProgressNotice(logging.Filter):
+    """Ray Data warns, in every process that runs a dataset, that the progress bars Flotilla turned
+    off are off. Drop that one message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Progress bars disabled")
+
+
+def quiet_process_logs() -> None:
+    """Drop the notices Flotilla's own settings cause, in this process. Every Ray worker process of
+    a Flotilla job runs it at start-up (`worker_process_setup_hook`)."""
+    progress_logger = logging.getLogger("ray.data._internal.progress")
+    if not any(isinstance(f, _RayDataProgressNotice) for f in progress_logger.filters):
+        progress_logger.addFilter(_RayDataProgressNotice())
 
 
 def started_local_ray() -> bool:
@@ -95,8 +116,10 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     # local fake cluster needs it: its nodes share one runtime_resources directory, and each
     # node that unpacks a shipped package deletes the copy the others are running from.
     ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
+    runtime_env = {"env_vars": WORKER_ENV, "worker_process_setup_hook": "flotilla.runtime.quiet_process_logs",
+                   **({"py_modules": [PACKAGE_DIR]} if ship else {})}
     with environment(env):  # Ray's processes keep it; this process gets its own back
-        ray.init(runtime_env={"py_modules": [PACKAGE_DIR]} if ship else None, **init_kwargs)
+        ray.init(runtime_env=runtime_env, **init_kwargs)
 
 
 def _local_gpus() -> int:

@@ -100,8 +100,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
             if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
                 step.fit(train)
         if label_step is not None:
-            label_step.fit(train)
-            mapping = label_step.stats_[f"unique_values({label})"]
+            mapping = _fit_label_encoder(label_step, train, label, source)
             schema["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
             schema["num_classes"] = len(mapping)
 
@@ -143,6 +142,20 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         source=source,
         val_raw=val_raw,
     )
+
+
+def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, source) -> dict[Any, int]:
+    """Fit `step` as Ray's own `fit` would (classes sorted, index = position), from Ray Data's
+    `unique` aggregation: Ray's fit collects value counts as dicts keyed by label, which Arrow
+    cannot hold for integer labels, so each block falls back to pickled objects (and says so)."""
+    values = train.unique(label)
+    if any(v is None or (isinstance(v, float) and v != v) for v in values):
+        raise DataError(f"label column {label!r} of {source.description!r} has missing values; "
+                        "drop or fill those rows before training")
+    mapping = {v: i for i, v in enumerate(sorted(values))}
+    step._set_stats(stats={f"unique_values({label})": mapping})
+    step._fitted = True
+    return mapping
 
 
 def resolve_task(spec: RunSpec) -> str:

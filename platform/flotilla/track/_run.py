@@ -14,6 +14,7 @@ import json
 import subprocess
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -241,6 +242,11 @@ class Tracker:
             example = prepared.val_raw.limit(3).to_pandas()[prepared.schema["feature_columns"]].astype("float64")
             params = None
         output = bundle.predict_frame(example, params)
+        with warnings.catch_warnings():
+            # Predicted class indices are integers and never missing: MLflow's hint that integer
+            # columns cannot hold missing values does not apply to a model's own output.
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column")
+            signature = infer_signature(example, output, params)
         mlflow.set_tracking_uri(self.uri)
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.pyfunc.log_model(
@@ -248,7 +254,7 @@ class Tracker:
                 python_model=str(PYFUNC_CODE),
                 artifacts={"bundle": str(bundle_dir)},
                 code_paths=[str(PACKAGE_DIR)],
-                signature=infer_signature(example, output, params),
+                signature=signature,
                 input_example=(example, params) if params else example,
                 pip_requirements=[_pin(p) for p in MODEL_REQUIREMENTS],
             )
@@ -346,7 +352,11 @@ def _dataset_source(source):
 
     location = source.description if "://" in source.description else str(Path(source.paths[0]).resolve().parent)
     try:
-        return resolve_dataset_source(location)
+        with warnings.catch_warnings():
+            # MLflow registers its local-artifact source class twice, so a local path "can be
+            # interpreted in multiple ways" -- both the same class; it picks one, which is right.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+            return resolve_dataset_source(location)
     except Exception:
         return CodeDatasetSource({"location": location})
 

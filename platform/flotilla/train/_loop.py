@@ -10,6 +10,7 @@ weights go into the inference bundle inside the final checkpoint.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -24,6 +25,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.utils import logger as ds_logger
 from deepspeed.utils import safe_get_full_fp32_param
 
 from flotilla.bundle import write_bundle
@@ -37,6 +39,17 @@ from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
 
 BUNDLE_DIR = "bundle"
+
+
+class _SchedulerStartNotice(logging.Filter):
+    """DeepSpeed's WarmupCosineLR asks itself for its learning rate while it is being built (before
+    step 0) and warns about its own call; the schedule is unaffected. Drop that one message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Attempting to get learning rate from scheduler before it has started" not in record.getMessage()
+
+
+ds_logger.addFilter(_SchedulerStartNotice())
 # Within an epoch, rank 0 prints a progress line at most this often.
 PROGRESS_EVERY_S = 10.0
 

@@ -118,6 +118,9 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files;
+            # the console gets Flotilla's epoch lines and Ray Train's warnings.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=([tracker.callback()] if tracker is not None else []) + list(callbacks),
         ),
         datasets={"train": prepared.train, "val": prepared.val},
