@@ -82,6 +82,30 @@ def test_metric_and_mode_defaults():
     assert metric_and_mode(gpt) == ("val_perplexity", "min")
 
 
+def test_a_sweep_without_a_metric_optimizes_what_the_gate_ranks_by(tmp_path):
+    """`data.task: auto` is resolved from the label's type, as training resolves it, so the sweep
+    optimizes the task's primary metric: the one the gate compares versions on."""
+    import pandas as pd
+
+    from flotilla.data import resolve_task
+    from flotilla.metrics import primary_metric
+
+    space = "tune={space: {train.lr: {uniform: [0.001, 0.002]}}}"
+    digits = load_spec(None, ["data.source=digits", "data.task=auto", space])
+    assert digits.tune.metric is None and digits.data.task == "auto"
+    assert resolve_task(digits) == "classification"
+    assert metric_and_mode(digits) == ("val_accuracy", "max") == (primary_metric("classification").name, "max")
+
+    table = tmp_path / "houses.csv"
+    pd.DataFrame({"rooms": [1, 2, 3, 4], "area": [30.0, 50.0, 70.0, 90.0], "price": [1.5, 2.5, 3.1, 4.9]}).to_csv(table, index=False)
+    regression = load_spec(None, [f"data.source={table}", "data.label=price", space])
+    assert resolve_task(regression) == "regression"
+    assert metric_and_mode(regression) == ("val_rmse", "min")
+    labels_as_text = tmp_path / "labels.csv"
+    pd.DataFrame({"x": [0.1, 0.2], "kind": ["cat", "dog"]}).to_csv(labels_as_text, index=False)
+    assert metric_and_mode(load_spec(None, [f"data.source={labels_as_text}", "data.label=kind", space]))[0] == "val_accuracy"
+
+
 def test_summary_table_lists_every_trial():
     outcome = SweepOutcome("s", "val_accuracy", "max", trials=[
         TrialRow("a_0", "s-a_0", {"train.lr": 0.00123456}, 0.9712, 3, "completed"),
