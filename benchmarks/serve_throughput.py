@@ -90,7 +90,7 @@ def raw_forward(bundle, rows: list, batch: int, seconds: float) -> float:
     import torch
 
     torch.set_num_threads(1)
-    x = bundle.transform(pd.DataFrame(np.asarray(rows[:batch]), columns=bundle.schema["feature_columns"]))
+    x = bundle.transform(pd.DataFrame(np.asarray(rows[:batch]), columns=bundle.schema.feature_columns))
     with torch.no_grad():
         for _ in range(3):
             bundle.model(x)
@@ -189,7 +189,7 @@ def _single_forward_ms(bundle, rows) -> float:
     import pandas as pd
     import torch
 
-    x = bundle.transform(pd.DataFrame(np.asarray(rows[:1]), columns=bundle.schema["feature_columns"]))
+    x = bundle.transform(pd.DataFrame(np.asarray(rows[:1]), columns=bundle.schema.feature_columns))
     with torch.no_grad():
         for _ in range(3):
             bundle.model(x)

@@ -24,9 +24,10 @@ from typing import Any, Iterator
 import numpy as np
 import pandas as pd
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from flotilla.data import FEATURES, ByteWindows, apply_all, array_transform, from_json
+from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
 from flotilla.errors import BundleError
 from flotilla.models import build_model
 
@@ -40,12 +41,12 @@ BUNDLE_FILES = (WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON)
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "seed": -1}
 
 
-def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: dict,
+def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: DataSchema,
                  preprocessors: dict, metrics: dict) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state_dict.items()}, out / WEIGHTS)
-    (out / MODEL_JSON).write_text(json.dumps({"model": model_spec, "schema": schema}, indent=1))
+    (out / MODEL_JSON).write_text(json.dumps({"model": model_spec, "schema": schema.as_dict()}, indent=1))
     (out / PREPROCESSORS_JSON).write_text(json.dumps(preprocessors, indent=1))
     (out / METRICS_JSON).write_text(json.dumps(metrics, indent=1, default=float))
     return out
@@ -56,18 +57,18 @@ class InferenceBundle:
     path: Path
     model: torch.nn.Module
     model_spec: dict[str, Any]
-    schema: dict[str, Any]
+    schema: DataSchema
     feature_steps: list
     classes: list | None
     metrics: dict[str, Any]
 
     def __post_init__(self):
-        columns = self.schema.get("feature_columns")
+        columns = self.schema.feature_columns
         self._array_transform = array_transform(self.feature_steps, columns) if columns else None
 
     @property
     def task(self) -> str:
-        return self.schema["task"]
+        return self.schema.task
 
     @property
     def device(self) -> torch.device:
@@ -81,11 +82,11 @@ class InferenceBundle:
     def transform(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> torch.Tensor:
         """Raw rows → the model's input tensor, with the preprocessors fitted at training time.
 
-        `rows` may be a float array already in `schema["feature_columns"]` order (serving).
+        `rows` may be a float array already in `schema.feature_columns` order (serving).
         """
         if self.task == "lm":
             raise BundleError("this is a language-model bundle; use generate() or score()")
-        columns = self.schema["feature_columns"]
+        columns = self.schema.feature_columns
         if isinstance(rows, np.ndarray):
             if rows.ndim != 2 or rows.shape[1] != len(columns):
                 raise BundleError(f"rows of shape {rows.shape}; this model needs (n, {len(columns)})")
@@ -121,7 +122,7 @@ class InferenceBundle:
         if self.task != "lm":
             raise BundleError("generate() needs a language-model (gpt) bundle; use predict()")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        context = self.schema["context"]
+        context = self.schema.context
         ids = ByteWindows.encode(prompt) or [ord("\n")]
         pending = b""
         for _ in range(max_tokens):
@@ -192,8 +193,12 @@ def load_bundle(path: str | Path) -> InferenceBundle:
     if missing:
         raise BundleError(f"{root} is not a complete inference bundle: missing {', '.join(missing)}")
     meta = json.loads((root / MODEL_JSON).read_text())
+    try:
+        schema = DataSchema.model_validate(meta.get("schema"))
+    except ValidationError as e:
+        raise BundleError(f"{root / MODEL_JSON} has no valid data schema: {e.errors()[0]['msg']}") from None
     preprocessors = json.loads((root / PREPROCESSORS_JSON).read_text())
-    model = build_model(meta["model"], meta["schema"])
+    model = build_model(meta["model"], schema)
     state = load_file(root / WEIGHTS)
     try:
         model.load_state_dict(state, strict=True)
@@ -201,12 +206,12 @@ def load_bundle(path: str | Path) -> InferenceBundle:
         raise BundleError(f"{root / WEIGHTS} does not match the model in {MODEL_JSON}: {e}") from None
     model.eval()
     label = preprocessors.get("label")
-    classes = meta["schema"].get("classes")
+    classes = schema.classes
     return InferenceBundle(
         path=root,
         model=model,
         model_spec=meta["model"],
-        schema=meta["schema"],
+        schema=schema,
         feature_steps=[from_json(e) for e in preprocessors.get("features", [])],
         classes=classes if label is not None else None,
         metrics=json.loads((root / METRICS_JSON).read_text()),

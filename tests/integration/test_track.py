@@ -6,7 +6,6 @@ registers v2, which the gate keeps at `candidate`; promotion and rollback move `
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import mlflow
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from flotilla.bundle import load_bundle
+from flotilla.cli import main
 from flotilla.train import run_training
 from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten
 
@@ -130,13 +130,11 @@ def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champi
     assert alias_version(client, "digits", CHAMPION) == "1"
     assert alias_version(client, "digits", CANDIDATE) == "2"
 
-    spec = importlib.util.spec_from_file_location("promote", ROOT / "pipelines" / "promote.py")
-    promote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(promote)
     capsys.readouterr()
-    assert promote.main(["--model", "digits", "--version", "2", "--tracking-uri", weak.tracking_uri]) == 0
+    assert main(["promote", "--model", "digits", "--version", "2", "--tracking-uri", weak.tracking_uri]) == 0
     assert alias_version(client, "digits", CHAMPION) == "2"
-    assert promote.main(["--rollback", "--config", str(ROOT / "configs" / "digits.yaml"), "--tracking-uri", weak.tracking_uri]) == 0
+    assert main(["promote", "--rollback", "--config", str(ROOT / "configs" / "digits.yaml"),
+                 "--tracking-uri", weak.tracking_uri]) == 0
     assert alias_version(client, "digits", CHAMPION) == "1"
     assert capsys.readouterr().out.splitlines() == [
         "digits@champion: v1 -> v2 (promoted)",

@@ -72,3 +72,27 @@ def test_user_factory(user_module):
         build_model({"kind": "custom", "factory": "my_models.good", "options": {}}, schema)
     with pytest.raises(ModelError, match="'my_models:broken' failed: KeyError"):
         build_model({"kind": "custom", "factory": "my_models:broken", "options": {}}, schema)
+
+
+def test_the_data_schema_is_checked_where_it_is_read(tmp_path):
+    """model.json's schema is validated on load: a bundle that lacks what its task needs says so."""
+    import json
+
+    from pydantic import ValidationError
+
+    from flotilla.bundle import MODEL_JSON, load_bundle, write_bundle
+    from flotilla.data import DataSchema
+    from flotilla.errors import BundleError
+
+    with pytest.raises(ValidationError, match="a classification schema needs classes, num_classes"):
+        DataSchema(task="classification", feature_columns=["a"], label_column="y", num_features=1)
+    schema = DataSchema(task="regression", feature_columns=["a", "b"], label_column="y", num_features=2)
+    spec = {"kind": "mlp", "hidden": [4], "dropout": 0.0, "activation": "relu"}
+    model = build_model(spec, schema)
+    write_bundle(tmp_path, model.state_dict(), spec, schema, {"features": [], "label": None}, {"final": {}})
+    assert load_bundle(tmp_path).schema == schema
+    meta = json.loads((tmp_path / MODEL_JSON).read_text())
+    del meta["schema"]["num_features"]
+    (tmp_path / MODEL_JSON).write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match="model.json has no valid data schema: .*needs num_features"):
+        load_bundle(tmp_path)

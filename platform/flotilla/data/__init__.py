@@ -21,11 +21,13 @@ from flotilla.data._preprocess import (
     tabular_preprocessors,
     to_json,
 )
+from flotilla.data._schema import DataSchema
 from flotilla.data._sources import BUILTIN_SOURCES, cache_dir, filesystem_for, resolve_source
 
 __all__ = [
     "BUILTIN_SOURCES",
     "ByteWindows",
+    "DataSchema",
     "FEATURES",
     "PreparedData",
     "TOKENS",

@@ -15,6 +15,7 @@ from ray.data.preprocessors import LabelEncoder
 
 from flotilla.spec import GPTSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
+from flotilla.data._schema import DataSchema
 from flotilla.data._preprocess import VOCAB_SIZE, ByteWindows, tabular_preprocessors, to_json
 from flotilla.data._sources import ResolvedSource, resolve_source
 from flotilla.errors import ClusterError, DataError, summarize
@@ -25,7 +26,7 @@ from flotilla.errors import ClusterError, DataError, summarize
 class PreparedData:
     train: ray.data.Dataset
     val: ray.data.Dataset
-    schema: dict[str, Any]  # what the model factory and the bundle need to know about the data
+    schema: DataSchema  # what the model factory and the bundle need to know about the data
     preprocessors: dict[str, Any]  # JSON form: {"features": [...], "label": {...} | None}
     fingerprint: str
     train_rows: int
@@ -85,24 +86,21 @@ def prepare_data(spec: RunSpec) -> PreparedData:
     if text:
         steps = [ByteWindows(d.text_column, spec.model.context)]
         label_step = None
-        schema = {"task": "lm", "vocab_size": VOCAB_SIZE, "context": spec.model.context, "text_column": d.text_column}
+        schema = DataSchema(task="lm", vocab_size=VOCAB_SIZE, context=spec.model.context, text_column=d.text_column)
     else:
         steps = tabular_preprocessors(features, d.scaling)
         task = _task(d.task, types[label])
         label_step = LabelEncoder(label_column=label) if task == "classification" else None
-        schema = {
-            "task": task,
-            "feature_columns": features,
-            "label_column": label,
-            "num_features": len(features),
-        }
+        fields: dict[str, Any] = {"task": task, "feature_columns": features, "label_column": label,
+                                  "num_features": len(features)}
         for step in steps:
             if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
                 step.fit(train)
         if label_step is not None:
             mapping = _fit_label_encoder(label_step, train, label, source)
-            schema["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
-            schema["num_classes"] = len(mapping)
+            fields["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+            fields["num_classes"] = len(mapping)
+        schema = DataSchema(**fields)
 
     def transform(ds_side: ray.data.Dataset) -> ray.data.Dataset:
         for step in steps:

@@ -16,7 +16,10 @@ from flotilla.models._mlp import build_mlp
 _BUILTIN = {"mlp": build_mlp, "gpt": build_gpt}
 
 
-def build_model(model_spec: dict[str, Any], schema: dict[str, Any]) -> nn.Module:
+def build_model(model_spec: dict[str, Any], schema) -> nn.Module:
+    """The model `model_spec` describes, for data described by `schema` (a `DataSchema`, or its dict)."""
+    if hasattr(schema, "as_dict"):
+        schema = schema.as_dict()  # factories take plain dicts: their documented interface
     kind = model_spec["kind"]
     factory = _BUILTIN.get(kind) or load_factory(model_spec["factory"])
     try:

@@ -16,7 +16,8 @@ from typing import Any
 from flotilla.runtime import HAPROXY_ENV
 from flotilla.spec import RunSpec, ServeSpec
 from flotilla.errors import ServeError, TrackingError
-from flotilla.serve._server import Classifier, Generator, replica_limits
+from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
+from flotilla.serve._server import Classifier, Generator
 
 APP_KINDS = {"classifier": Classifier, "generator": Generator}
 
@@ -29,7 +30,7 @@ class DeploymentPlan:
     serve: ServeSpec
     traffic: dict[str, float]  # version -> weight
     aliases: dict[str, list[str]]  # version -> the aliases it was named by
-    shadow: dict[str, Any] | None = None  # {"version": "4", "percent": 10.0}
+    shadow: ShadowTarget | None = None
 
     @property
     def route_prefix(self) -> str:
@@ -37,13 +38,11 @@ class DeploymentPlan:
 
     def user_config(self) -> dict[str, Any]:
         """What a replica may change in place (no restart): the split, shadow and batching."""
-        return {
-            "traffic": self.traffic,
-            "aliases": self.aliases,
-            "shadow": self.shadow,
-            "max_batch_size": self.serve.batching.max_batch_size,
-            "batch_wait_timeout_s": self.serve.batching.batch_wait_timeout_s,
-        }
+        return ReplicaConfig(
+            traffic=self.traffic, aliases=self.aliases, shadow=self.shadow,
+            max_batch_size=self.serve.batching.max_batch_size,
+            batch_wait_timeout_s=self.serve.batching.batch_wait_timeout_s,
+        ).model_dump(mode="json")
 
     def describe(self) -> str:
         total = sum(self.traffic.values())
@@ -51,7 +50,7 @@ class DeploymentPlan:
             f"v{v} ({', '.join(self.aliases.get(v, [])) or 'by number'}) {100 * w / total:g}%"
             for v, w in self.traffic.items()
         ]
-        shadow = f"; shadow v{self.shadow['version']} on {self.shadow['percent']:g}% of requests" if self.shadow else ""
+        shadow = f"; shadow v{self.shadow.version} on {self.shadow.percent:g}% of requests" if self.shadow else ""
         return f"{self.model}: {', '.join(parts)}{shadow}"
 
 
@@ -116,8 +115,8 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
         version = resolve(spec.serve.shadow.target, "serve.shadow.target")
         if not spec.serve.shadow.target.isdigit():
             aliases.setdefault(version, []).append(spec.serve.shadow.target)
-        shadow = {"version": version, "percent": spec.serve.shadow.percent}
-    kinds = {v: _version_kind(client, name, v) for v in set(traffic) | ({shadow["version"]} if shadow else set())}
+        shadow = ShadowTarget(version=version, percent=spec.serve.shadow.percent)
+    kinds = {v: _version_kind(client, name, v) for v in set(traffic) | ({shadow.version} if shadow else set())}
     if len(set(kinds.values())) > 1:
         raise ServeError(f"{name}: the versions to serve are of different kinds {kinds}; one endpoint serves one kind")
     return DeploymentPlan(name, next(iter(kinds.values())), uri, spec.serve, traffic, aliases, shadow)
@@ -162,7 +161,7 @@ def build_application(plan: DeploymentPlan):
         health_check_timeout_s=s.health_check_timeout_s,
         user_config=plan.user_config(),
     )
-    return deployment.bind(plan.model, plan.tracking_uri, replica_limits(s))
+    return deployment.bind(plan.model, plan.tracking_uri, ReplicaLimits.from_spec(s).model_dump(mode="json"))
 
 
 def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:

@@ -18,7 +18,6 @@ import asyncio
 import collections
 import json
 import logging
-import math
 import random
 import time
 from typing import Any
@@ -29,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
 from flotilla.serve._schemas import (
     ErrorField,
@@ -93,14 +93,14 @@ class _ModelServer:
     def __init__(self, model: str, tracking_uri: str, limits: dict[str, Any]):
         import torch
 
-        self.model_name, self.tracking_uri, self.limits = model, tracking_uri, limits
-        threads = max(1, int(limits.get("num_cpus") or 1))
-        torch.set_num_threads(threads)  # one replica per reserved core; more threads only contend
-        self.device = "cuda" if limits.get("num_gpus") and torch.cuda.is_available() else "cpu"
+        self.model_name, self.tracking_uri = model, tracking_uri
+        self.limits = ReplicaLimits.model_validate(limits)
+        torch.set_num_threads(self.limits.num_cpus)  # one replica per reserved core; more threads only contend
+        self.device = "cuda" if self.limits.num_gpus and torch.cuda.is_available() else "cpu"
         self.bundles: dict[str, Any] = {}
         self.split: TrafficSplit | None = None
         self.aliases: dict[str, list[str]] = {}
-        self.shadow: dict[str, Any] | None = None
+        self.shadow: ShadowTarget | None = None
         self.max_batch = 32
         self._pending: collections.deque = collections.deque()  # (requests, future) waiting for the model
         self._runner: asyncio.Task | None = None
@@ -121,27 +121,28 @@ class _ModelServer:
         self.m_shadow_latency = Histogram("flotilla_shadow_latency_ms", "Shadow forward latency (ms).", LATENCY_MS, tags)
 
     # ------------------------------------------------------------------ versions
-    async def reconfigure(self, config: dict[str, Any]) -> None:
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Load the versions a new split names (off the event loop), warm them up, then switch."""
-        wanted = set(config["traffic"]) | ({config["shadow"]["version"]} if config.get("shadow") else set())
+        config = ReplicaConfig.model_validate(user_config)
+        wanted = set(config.traffic) | ({config.shadow.version} if config.shadow else set())
         bundles = dict(self.bundles)
         for version in sorted(wanted - set(bundles)):
             bundles[version] = await asyncio.to_thread(self._load_and_warm, version, config)
-        split = TrafficSplit(config["traffic"])
+        split = TrafficSplit(config.traffic)
         if hasattr(self, "_forward"):
-            self._forward.set_max_batch_size(config["max_batch_size"])
-            self._forward.set_batch_wait_timeout_s(config["batch_wait_timeout_s"])
-        self.max_batch = config["max_batch_size"]
+            self._forward.set_max_batch_size(config.max_batch_size)
+            self._forward.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self.max_batch = config.max_batch_size
         self.bundles = {v: b for v, b in bundles.items() if v in wanted}
-        self.split, self.aliases, self.shadow = split, config.get("aliases", {}), config.get("shadow")
+        self.split, self.aliases, self.shadow = split, config.aliases, config.shadow
         logger.info("serving %s: split %s, shadow %s", self.model_name, split.percents(), self.shadow)
 
-    def _load_and_warm(self, version: str, config: dict[str, Any]):
+    def _load_and_warm(self, version: str, config: ReplicaConfig):
         bundle = load_version(self.model_name, version, self.tracking_uri).to(self.device)
         kind = "generator" if bundle.task == "lm" else "classifier"
         if kind != self.task_kind:
             raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")
-        self.warm_up(bundle, config["max_batch_size"])
+        self.warm_up(bundle, config.max_batch_size)
         return bundle
 
     def check_health(self) -> None:
@@ -163,17 +164,17 @@ class _ModelServer:
             "kind": self.task_kind,
             "traffic": self.split.percents(),
             "aliases": self.aliases,
-            "shadow": self.shadow,
+            "shadow": self.shadow.model_dump() if self.shadow else None,
             "versions": sorted(self.bundles, key=int),
         }
 
     def choose(self, request: Request) -> str:
-        caller = request.headers.get(self.limits["sticky_header"])
+        caller = request.headers.get(self.limits.sticky_header)
         return self.split.pick(caller)
 
     async def read_body(self, request: Request, schema):
         declared = request.headers.get("content-length")
-        limit = self.limits["max_body_bytes"]
+        limit = self.limits.max_body_bytes
         if declared and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
         raw = await request.body()
@@ -208,7 +209,7 @@ class _ModelServer:
         return response
 
     async def with_timeout(self, awaitable, what: str):
-        timeout = self.limits["request_timeout_s"]
+        timeout = self.limits.request_timeout_s
         try:
             return await asyncio.wait_for(awaitable, timeout)
         except asyncio.TimeoutError:
@@ -221,7 +222,7 @@ class _ModelServer:
 def bundle_columns(bundle) -> set[str]:
     cached = getattr(bundle, "_column_set", None)
     if cached is None:
-        cached = set(bundle.schema["feature_columns"])
+        cached = set(bundle.schema.feature_columns)
         bundle._column_set = cached
     return cached
 
@@ -236,7 +237,7 @@ class Classifier(_ModelServer):
     example = '{"instances": [[0.0, 1.5, ...]]}'
 
     def warm_up(self, bundle, rows: int) -> None:
-        bundle.predict(np.zeros((rows, len(bundle.schema["feature_columns"]))))
+        bundle.predict(np.zeros((rows, len(bundle.schema.feature_columns))))
 
     @classifier_api.get("/", summary="What this endpoint serves")
     def describe(self) -> dict[str, Any]:
@@ -254,7 +255,7 @@ class Classifier(_ModelServer):
             payload = {"model": self.model_name, "version": version, **out}
             if bundle.classes is not None:
                 payload["classes"] = bundle.classes
-            if self.shadow and random.random() * 100 < self.shadow["percent"]:
+            if self.shadow and random.random() * 100 < self.shadow.percent:
                 asyncio.get_running_loop().create_task(self._mirror(rows, out["predictions"]))
             return version, JSONResponse(payload, headers={VERSION_HEADER: version})
 
@@ -262,8 +263,8 @@ class Classifier(_ModelServer):
 
     def rows(self, instances: list, bundle) -> np.ndarray:
         """Instances → a float64 array in the model's column order, or 422 naming what is wrong."""
-        columns = bundle.schema["feature_columns"]
-        limit = self.limits["max_instances"]
+        columns = bundle.schema.feature_columns
+        limit = self.limits.max_instances
         if len(instances) > limit:
             raise ApiError(422, f"instances: {len(instances)} rows; at most {limit} per request (serve.max_instances)",
                            [ErrorField(field="instances", message=f"at most {limit} rows per request")])
@@ -348,7 +349,7 @@ class Classifier(_ModelServer):
 
     async def _mirror(self, rows: np.ndarray, primary: list) -> None:
         """Shadow mode: the same rows through the shadow version; its answer is logged, not returned."""
-        version = self.shadow["version"]
+        version = self.shadow.version
         bundle = self.bundles.get(version)
         if bundle is None:
             return
@@ -389,7 +390,7 @@ class Generator(_ModelServer):
     async def generate(self, request: Request) -> Response:
         async def handle():
             body = await self.read_body(request, GenerateRequest)
-            cap = self.limits["max_new_tokens"]
+            cap = self.limits.max_new_tokens
             if body.max_tokens > cap:
                 raise ApiError(422, f"invalid request: max_tokens: {body.max_tokens} is above this endpoint's "
                                f"limit of {cap} (serve.max_new_tokens)",
@@ -418,17 +419,3 @@ class Generator(_ModelServer):
             yield f"data: {json.dumps({'text': piece})}\n\n"
         self.m_forward.observe((time.perf_counter() - start) * 1000, tags={"model": self.model_name, "version": version})
         yield "data: [DONE]\n\n"
-
-
-def replica_limits(s) -> dict[str, Any]:
-    """What a replica's constructor needs from the spec's `serve` section."""
-    num_cpus = s.replica.num_cpus
-    return {
-        "max_body_bytes": s.max_body_bytes,
-        "max_instances": s.max_instances,
-        "max_new_tokens": s.max_new_tokens,
-        "request_timeout_s": s.request_timeout_s,
-        "sticky_header": s.sticky_header,
-        "num_cpus": max(1, math.floor(num_cpus)) if num_cpus else 1,
-        "num_gpus": s.replica.num_gpus,
-    }

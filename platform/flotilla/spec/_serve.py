@@ -25,7 +25,10 @@ class AutoscalingSpec(_Section):
     )
     upscale_delay_s: float = Field(10.0, ge=0, description="Load must stay high this long before adding a replica.")
     downscale_delay_s: float = Field(60.0, ge=0, description="Load must stay low this long before removing one.")
-    look_back_period_s: float = Field(10.0, gt=0, description="Window over which load is averaged.")
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Window over which load is averaged (Serve's default). Serve collects load every "
+        "10 s, so a window of 10 s or less makes it warn; shorter windows react faster but noisier.",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> "AutoscalingSpec":

@@ -79,7 +79,7 @@ class BundleEvaluator:
         b = self.bundle
         self.rows += len(batch)
         if b.task == "lm":
-            windows = ByteWindows(self.text_column, b.schema["context"])._transform_pandas(batch)[TOKENS]
+            windows = ByteWindows(self.text_column, b.schema.context)._transform_pandas(batch)[TOKENS]
             if len(windows) == 0:
                 return
             tokens = torch.as_tensor(np.stack(windows.to_numpy()))

@@ -79,7 +79,7 @@ def epoch_metrics(m: dict[str, Any]) -> list[Metric]:
     return [
         Metric(key, float(value), now, step)
         for key, value in m.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "zero_stage", "world_size")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "zero_stage", "world_size", "first_step_at")
     ]
 
 
@@ -239,7 +239,7 @@ class Tracker:
         else:
             # Features as float64, the type the bundle scales them in; MLflow's schema then
             # accepts float32 and int32 columns too (safe widenings).
-            example = prepared.val_raw.limit(3).to_pandas()[prepared.schema["feature_columns"]].astype("float64")
+            example = prepared.val_raw.limit(3).to_pandas()[prepared.schema.feature_columns].astype("float64")
             params = None
         output = bundle.predict_frame(example, params)
         with warnings.catch_warnings():
@@ -291,7 +291,7 @@ class Tracker:
     def _compare_with_champion(self, decision: GateDecision, prepared, bundle_dir: Path) -> None:
         from flotilla.bundle import load_bundle
 
-        task = prepared.schema["task"]
+        task = prepared.schema.task
         current = alias_version(self.client, self.model_name, CHAMPION)
         candidate = load_bundle(bundle_dir)
         bundles = [candidate]
@@ -303,8 +303,8 @@ class Tracker:
                 decision.passed = False
                 decision.checks.append(f"champion v{current} could not be loaded to compare: {type(e).__name__}: {e}")
                 return
-        label = prepared.schema.get("label_column")
-        text = prepared.schema.get("text_column")
+        label = prepared.schema.label_column
+        text = prepared.schema.text_column
         try:
             values, rows = evaluate_bundles(
                 bundles, prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas"), label, text

@@ -30,13 +30,13 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from flotilla.bundle import write_bundle
 from flotilla.metrics import TASKS, primary_metric
-from flotilla.spec import RunSpec
-from flotilla.data import FEATURES, TOKENS
+from flotilla.data import FEATURES, TOKENS, DataSchema
 from flotilla.models import build_model, flops_per_token
 from flotilla.train import _checkpoint
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
 from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
+from flotilla.train._worker_config import WorkerConfig
 
 BUNDLE_DIR = "bundle"
 
@@ -54,13 +54,13 @@ ds_logger.addFilter(_SchedulerStartNotice())
 PROGRESS_EVERY_S = 10.0
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
+def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
     # DeepSpeed calls torch.distributed's older collective names once per step; the
     # deprecation notice would fill the log.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    spec = RunSpec.model_validate(config["spec"])
+    config = WorkerConfig.model_validate(raw_config)
+    spec, schema = config.spec, config.data
     t = spec.train
-    schema: dict[str, Any] = config["schema"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -74,7 +74,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model_spec = spec.model.model_dump(mode="json")
     model = build_model(model_spec, schema)
     num_params = sum(p.numel() for p in model.parameters())
-    micro_batches, steps_per_epoch = optimizer_steps(config["train_rows"], world, t)
+    micro_batches, steps_per_epoch = optimizer_steps(config.train_rows, world, t)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -94,14 +94,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0:
             print(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path})", flush=True)
 
-    is_lm = schema["task"] == "lm"
+    is_lm = schema.task == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
     attempt = _broadcast(uuid.uuid4().hex[:6] if rank == 0 else None)
     # Where each rank runs: the driver prices the run by these nodes' price labels.
     worker_nodes = _all_gather(ray.get_runtime_context().get_node_id())
     live = TrainingMetrics(
-        config["run_name"], rank,
-        tokens_per_sample=schema["context"] if is_lm else None,
+        config.run_name, rank,
+        tokens_per_sample=schema.context if is_lm else None,
         flops_per_token=flops_per_token(model_spec, num_params) if is_lm else None,
         peak_flops=peak,
     )
@@ -109,12 +109,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     val_shard = ray.train.get_dataset_shard("val")
     batch_dtypes = _batch_dtypes(schema)
 
+    first_step_at = 0.0  # wall-clock time of this attempt's first finished step (start-up cost)
     for epoch in range(start_epoch, t.epochs):
         engine.train()
         loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
         live.start_epoch()
         step_started, data_wait = started, 0.0
-        progress = _Progress(config["run_name"], epoch + 1, t.epochs, micro_batches, enabled=rank == 0)
+        progress = _Progress(config.run_name, epoch + 1, t.epochs, micro_batches, enabled=rank == 0)
         batches = iter(train_shard.iter_torch_batches(
             batch_size=t.batch_size,
             dtypes=batch_dtypes,
@@ -139,8 +140,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             now = time.perf_counter()
             live.step(now - step_started, len(targets), step_loss)
             progress.step(now, len(targets) * world, step_loss)
+            first_step_at = first_step_at or time.time()
             step_started = now
-            if schema["task"] == "classification":
+            if schema.task == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
         train_time = time.perf_counter() - started
 
@@ -162,17 +164,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "zero_stage": t.zero_stage,
             "world_size": world,
             "backend": dist.get_backend(),
+            "first_step_at": first_step_at,
         }
-        if schema["task"] == "classification":
+        if schema.task == "classification":
             metrics["val_accuracy"] = totals[3] / max(totals[5], 1)
             metrics["train_accuracy"] = totals[6] / max(totals[1], 1)
-        elif schema["task"] == "regression":
+        elif schema.task == "regression":
             metrics["val_rmse"] = math.sqrt(metrics["val_loss"])
             metrics["train_rmse"] = math.sqrt(metrics["train_loss"])
         else:
             metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
             metrics["train_perplexity"] = math.exp(min(metrics["train_loss"], 50.0))
-            metrics["tokens_per_s"] = metrics["samples_per_s"] * schema["context"]
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * schema.context
             metrics["mfu"] = flops_per_token(model_spec, num_params) * metrics["tokens_per_s"] / (peak * world)
         if resumed_from is not None:
             metrics["resumed_from_step"] = resumed_from
@@ -194,7 +197,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             )
         live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
-            print(format_epoch(config["run_name"], metrics, t.epochs), flush=True)
+            print(format_epoch(config.run_name, metrics, t.epochs), flush=True)
 
 
 def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
@@ -234,25 +237,25 @@ class _Progress:
               f"ETA {eta:.0f}s", flush=True)
 
 
-def _batch_dtypes(schema: dict[str, Any]) -> dict[str, torch.dtype]:
-    if schema["task"] == "lm":
+def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
+    if schema.task == "lm":
         return {TOKENS: torch.int64}
-    label_dtype = torch.int64 if schema["task"] == "classification" else torch.float32
-    return {FEATURES: torch.float32, schema["label_column"]: label_dtype}
+    label_dtype = torch.int64 if schema.task == "classification" else torch.float32
+    return {FEATURES: torch.float32, schema.label_column: label_dtype}
 
 
-def _split(batch: dict[str, torch.Tensor], schema: dict[str, Any], dtype: torch.dtype):
-    if schema["task"] == "lm":
+def _split(batch: dict[str, torch.Tensor], schema: DataSchema, dtype: torch.dtype):
+    if schema.task == "lm":
         tokens = batch[TOKENS]
         return tokens[:, :-1], tokens[:, 1:]
-    return batch[FEATURES].to(dtype), batch[schema["label_column"]]
+    return batch[FEATURES].to(dtype), batch[schema.label_column]
 
 
-def _loss(out: torch.Tensor, targets: torch.Tensor, schema: dict[str, Any], reduction: str) -> torch.Tensor:
+def _loss(out: torch.Tensor, targets: torch.Tensor, schema: DataSchema, reduction: str) -> torch.Tensor:
     out = out.float()
-    if schema["task"] == "classification":
+    if schema.task == "classification":
         return F.cross_entropy(out, targets, reduction=reduction)
-    if schema["task"] == "regression":
+    if schema.task == "regression":
         return F.mse_loss(out.squeeze(-1), targets, reduction=reduction)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction=reduction)
 
@@ -269,7 +272,7 @@ def _evaluate(engine, shard, schema, dtype, batch_size, device) -> dict[str, Any
         loss_sum += _loss(out, targets, schema, "sum").item()
         count += targets.numel()
         rows += len(targets)
-        if schema["task"] == "classification":
+        if schema.task == "classification":
             correct += int((out.argmax(dim=-1) == targets).sum())
     return {"loss_sum": loss_sum, "correct": correct, "count": count, "rows": rows, "probe": probe}
 
@@ -310,12 +313,12 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
         state,
         model_spec,
         schema,
-        config["preprocessors"],
+        config.preprocessors,
         {
             "final": metrics,
             "history": history,
-            "fingerprint": config["fingerprint"],
-            "run_name": config["run_name"],
+            "fingerprint": config.fingerprint,
+            "run_name": config.run_name,
             "worker_nodes": worker_nodes,
             "bundle_check_max_abs_diff": check,
         },

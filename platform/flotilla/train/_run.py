@@ -25,6 +25,7 @@ from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.track import open_tracker
 from flotilla.train._loop import BUNDLE_DIR, train_loop_per_worker
+from flotilla.train._worker_config import WorkerConfig
 
 
 @dataclass
@@ -100,14 +101,10 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
         tracker.start(prepared, f"{storage}/{run_name}")
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "spec": spec.model_dump(mode="json"),
-            "schema": prepared.schema,
-            "preprocessors": prepared.preprocessors,
-            "fingerprint": prepared.fingerprint,
-            "train_rows": prepared.train_rows,
-            "run_name": run_name,
-        },
+        train_loop_config=WorkerConfig(
+            spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
+            train_rows=prepared.train_rows, run_name=run_name,
+        ).to_ray(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
             use_gpu=t.gpus_per_worker > 0,
@@ -155,7 +152,7 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
     outcome = TrainingOutcome(
         run_name=run_name,
         run_dir=f"{storage}/{run_name}",
-        task=prepared.schema["task"],
+        task=prepared.schema.task,
         bundle_path=f"{storage}/{run_name}/{BUNDLE_DIR}",
         metrics=bundle_metrics["final"],
         history=bundle_metrics["history"],

@@ -1,0 +1,46 @@
+"""What a model, the training loop and the bundle know about the data: one validated type.
+
+It travels from the driver to every worker (inside `WorkerConfig`) and into the bundle's
+model.json, and is validated wherever it is read back. Model factories receive it as a plain dict
+(`as_dict()`), their documented interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class DataSchema(BaseModel):
+    """The data of one run: its task, and the columns, classes or vocabulary that task needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: Literal["classification", "regression", "lm"]
+    # tabular tasks
+    feature_columns: Optional[list[str]] = None
+    label_column: Optional[str] = None
+    num_features: Optional[int] = None
+    classes: Optional[list[Any]] = None  # classification: the label values, index = class id
+    num_classes: Optional[int] = None
+    # language models
+    vocab_size: Optional[int] = None
+    context: Optional[int] = None
+    text_column: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_task(self) -> "DataSchema":
+        needed = {
+            "classification": ("feature_columns", "label_column", "num_features", "classes", "num_classes"),
+            "regression": ("feature_columns", "label_column", "num_features"),
+            "lm": ("vocab_size", "context", "text_column"),
+        }[self.task]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.task} schema needs {', '.join(missing)}")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form: what model factories receive and model.json holds."""
+        return self.model_dump(mode="json", exclude_none=True)

@@ -1,0 +1,53 @@
+"""What a serving replica is given: its fixed limits (constructor) and what may change in place
+(Serve's `user_config`: the split, the shadow, batching). Both cross from the deploying driver to
+the replica as plain dicts and are validated when the replica reads them."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShadowTarget(_Strict):
+    """The version that receives mirrored requests, and on what share of them."""
+
+    version: str
+    percent: float = Field(gt=0, le=100)
+
+
+class ReplicaConfig(_Strict):
+    """Serve's `user_config`: a change is applied by the running replicas without a restart."""
+
+    traffic: dict[str, float]  # version -> weight
+    aliases: dict[str, list[str]] = Field(default_factory=dict)  # version -> the aliases it was named by
+    shadow: Optional[ShadowTarget] = None
+    max_batch_size: int = Field(ge=1)
+    batch_wait_timeout_s: float = Field(ge=0)
+
+
+class ReplicaLimits(_Strict):
+    """The per-request bounds and resources a replica is constructed with."""
+
+    max_body_bytes: int = Field(gt=0)
+    max_instances: int = Field(ge=1)
+    max_new_tokens: int = Field(ge=1)
+    request_timeout_s: float = Field(gt=0)
+    sticky_header: str
+    num_cpus: int = Field(ge=1)  # torch threads
+    num_gpus: float = Field(ge=0)
+
+    @classmethod
+    def from_spec(cls, s) -> "ReplicaLimits":
+        """From the spec's `serve` section (a `flotilla.spec.ServeSpec`)."""
+        return cls(
+            max_body_bytes=s.max_body_bytes, max_instances=s.max_instances, max_new_tokens=s.max_new_tokens,
+            request_timeout_s=s.request_timeout_s, sticky_header=s.sticky_header,
+            num_cpus=max(1, math.floor(s.replica.num_cpus)) if s.replica.num_cpus else 1,
+            num_gpus=s.replica.num_gpus,
+        )
