@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -36,13 +39,12 @@ def _ray_session():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(_ray_session):
-    """A local Ray with 3 logical CPUs: 2 training workers plus one for Ray Data's tasks.
+def _local_ray():
+    """The session's local Ray: 3 logical CPUs, 2 training workers plus one for Ray Data's tasks.
 
-    Shared by the whole session (starting Ray costs ~10 s on 2 cores and the tests leave no state
-    in it beyond finished runs under their own tmp directories); started again for the next module
-    when one needed a cluster of its own (test_serve_haproxy) and shut it down.
+    Started once for the session (starting Ray costs ~10 s on 2 cores and the tests leave no state
+    in it beyond finished runs under their own tmp directories); started again after a module
+    that needed a cluster of its own (test_serve_haproxy) shut it down.
     """
     import ray
 
@@ -54,4 +56,37 @@ def ray_cluster(_ray_session):
         # The dashboard stays on: Ray Train's placement-group cleaner asks its state API whether a
         # controller died (a trial stopped by ASHA), and without it the stopped run's CPUs leak.
         ensure_ray(num_cpus=3, address="local")
-    yield ray
+    return ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_ray_session):
+    yield _local_ray()
+
+
+@dataclass
+class TrainedModel:
+    """One finished, registered run, shared by the modules that only need a model to exist."""
+
+    spec: object
+    outcome: object
+    store: Path  # its runs and its MLflow store (mlflow.db, artifacts under mlruns/)
+
+    def store_copy(self, directory: Path) -> str:
+        """A private copy of the MLflow store in `directory` (its registry can change freely; the
+        artifacts stay shared, append-only): the tracking URI of the copy."""
+        shutil.copy(self.store / "mlflow.db", directory / "mlflow.db")
+        return f"sqlite:///{directory}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def digits_champion(_ray_session, tmp_path_factory) -> TrainedModel:
+    """The default digits run as `make demo` trains it (ZeRO-2, 2 workers, gate val_accuracy >= 0.95),
+    with a CPU price: registered as digits v1, candidate and champion. Trained once per session."""
+    from flotilla.train import run_training
+    from tests.integration._helpers import digits_spec
+
+    _local_ray()
+    store = tmp_path_factory.mktemp("digits-champion")
+    spec = digits_spec(store, "cost.cpu_hour=0.05", "cost.currency=EUR")
+    return TrainedModel(spec, run_training(spec), store)

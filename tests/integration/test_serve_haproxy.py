@@ -2,9 +2,9 @@
 HAProxy that ships with Ray balances them on `serve.port`.
 
 Serve reads the setting when its processes start, so this module needs a Ray of its own: it
-shuts the session's cluster down, lets `run_training` start a local one from a spec that asks for
-HAProxy (the path `python pipelines/train.py` and `pipelines/deploy.py` take), and shuts that one
-down at the end (the next module's `ray_cluster` starts the usual one again).
+shuts the session's cluster down, lets `deploy` start a local one from a spec that asks for
+HAProxy (the path `flotilla deploy` and `flotilla train` take) to serve the session's digits model,
+and shuts that one down at the end (the next module's `ray_cluster` starts the usual one again).
 """
 
 from __future__ import annotations
@@ -26,27 +26,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def haproxy_endpoint(tmp_path_factory):
+def haproxy_endpoint(digits_champion, tmp_path_factory):
     import ray
 
     from flotilla.serve import deploy, plan_deployment
     from flotilla.runtime import started_local_ray
-    from flotilla.train import run_training
 
     if ray.is_initialized():
         ray.shutdown()
     haproxies: list[psutil.Process] = []
     store = tmp_path_factory.mktemp("haproxy")
+    digits_champion.store_copy(store)  # the session's digits v1 (champion)
+    outcome = digits_champion.outcome
     port = free_port()
     spec = digits_spec(
-        store, "train.epochs=2", "train.num_workers=1", "track.gate.require=[]", f"serve.port={port}",
-        "serve.ingress=haproxy", "serve.replica.num_cpus=0.5", "serve.autoscaling.min_replicas=2",
-        "serve.autoscaling.max_replicas=2", "serve.health_check_period_s=2", "serve.max_instances=64",
+        store, f"serve.port={port}", "serve.ingress=haproxy", "serve.replica.num_cpus=0.5",
+        "serve.autoscaling.min_replicas=2", "serve.autoscaling.max_replicas=2", "serve.health_check_period_s=2",
+        "serve.max_instances=64",
     )
     try:
-        outcome = run_training(spec)  # starts the local cluster, with HAProxy ingress for this spec
-        assert started_local_ray()
+        # No Ray is running: deploy starts the local cluster, with HAProxy ingress for this spec
+        # (the path `flotilla deploy` takes; `flotilla train` starts it the same way).
         endpoint = deploy(plan_deployment(spec))
+        assert started_local_ray()
         assert not HAPROXY_ENV.keys() & os.environ.keys()  # Ray's processes got them, this one kept its own
         haproxies = [p for p in psutil.process_iter(["name", "cmdline"])
                      if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]

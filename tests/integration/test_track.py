@@ -23,15 +23,14 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return tmp_path_factory.mktemp("track")
+def store(digits_champion):
+    return digits_champion.store
 
 
 @pytest.fixture(scope="module")
-def champion(ray_cluster, store):
+def champion(ray_cluster, digits_champion):
     # As `make demo` runs it (ZeRO-2, 2 workers, gate val_accuracy >= 0.95), with a CPU price.
-    spec = digits_spec(store, "cost.cpu_hour=0.05", "cost.currency=EUR")
-    return spec, run_training(spec)
+    return digits_champion.spec, digits_champion.outcome
 
 
 def test_default_config_reaches_95_percent_and_bundle_predicts_like_the_model(champion, store):
@@ -116,10 +115,10 @@ def test_pyfunc_predictions_equal_bundle_predictions(champion):
         model.predict(rows.drop(columns=["pixel_5"]))
 
 
-def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champion(champion, store, capsys):
-    _, first = champion
+def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champion(digits_champion, tmp_path, capsys):
+    digits_champion.store_copy(tmp_path)  # this test's registry: v1 champion, as trained
     # Clears the fixed bar, but is worse than the champion on the same validation rows.
-    weak = run_training(digits_spec(store, "train.epochs=1", "train.lr=0.001", "track.gate.require=['val_accuracy >= 0.1']"))
+    weak = run_training(digits_spec(tmp_path, "train.epochs=1", "train.lr=0.001", "track.gate.require=['val_accuracy >= 0.1']"))
     client, runs = mlflow_runs(weak.tracking_uri)
     assert len({r.info.run_id for r in runs}) == len(runs) >= 2
     version = client.get_model_version("digits", weak.registration.version)

@@ -103,3 +103,13 @@ def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders
         assert callable(getattr(importlib.import_module(module), attr))
         AppArgs.model_validate(app.args)  # unknown keys would fail at deploy time
         assert app.route_prefix == f"/v1/models/{app.name}"
+
+
+def test_serve_app_builders_say_what_they_need():
+    from flotilla.errors import ServeError
+    from flotilla.serve import build_app
+
+    with pytest.raises(ServeError, match=r"serve_apps.classifier:app needs model=NAME .* or config=SPEC.yaml"):
+        build_app({}, "classifier")
+    with pytest.raises(ServeError, match="give one of alias=, version= or traffic="):
+        build_app({"model": "digits", "alias": "champion", "version": "3"}, "classifier")

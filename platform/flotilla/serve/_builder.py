@@ -3,7 +3,7 @@
     serve run serve_apps.classifier:app model=digits alias=champion --route-prefix /v1/models/digits
     serve run serve_apps.generator:app config=configs/pycode_gpt.yaml version=3
 
-Arguments (all optional): `config` (a run spec; its `serve` section), `model`, `alias` or
+Arguments: `config` (a run spec; its `serve` section) or `model` (then the built-in defaults), `alias` or
 `version` (one target, all traffic), `traffic` (`champion=90,candidate=10`), `tracking_uri`.
 """
 
@@ -17,7 +17,6 @@ from flotilla.spec import load_spec
 from flotilla.errors import ServeError
 
 ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_CONFIGS = {"classifier": ROOT / "configs" / "digits.yaml", "generator": ROOT / "configs" / "pycode_gpt.yaml"}
 
 
 class AppArgs(BaseModel):
@@ -34,7 +33,8 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: dict, kind: str):
-    from flotilla.serve._deploy import build_application, plan_deployment, traffic_override
+    from flotilla.serve._deploy import build_application, plan_deployment
+    from flotilla.spec import traffic_override
 
     parsed = AppArgs.model_validate(args or {})
     overrides = []
@@ -45,7 +45,10 @@ def build_app(args: dict, kind: str):
         overrides.append(f"serve.traffic={{{(parsed.alias or parsed.version)!r}: 100}}")
     elif parsed.traffic:
         overrides.append(traffic_override(parsed.traffic))
-    spec = load_spec(_config_path(parsed.config) if parsed.config else DEFAULT_CONFIGS[kind], overrides)
+    if not parsed.config and not parsed.model:
+        raise ServeError(f"serve_apps.{kind}:app needs model=NAME (a registered model) or config=SPEC.yaml")
+    # Without a spec, the built-in defaults configure the endpoint (`flotilla config`, section serve).
+    spec = load_spec(_config_path(parsed.config) if parsed.config else None, overrides)
     plan = plan_deployment(spec, model=parsed.model, tracking_uri=parsed.tracking_uri)
     if plan.kind != kind:
         other = "generator" if kind == "classifier" else "classifier"

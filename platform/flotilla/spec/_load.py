@@ -29,7 +29,7 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise SpecError([f"config file {str(p)!r} does not exist; configs/ has {_nearby_specs(p)}"], source)
+            raise SpecError([f"config file {str(p)!r} does not exist; specs there: {_nearby_specs(p)}"], source)
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -71,9 +71,8 @@ def spec_to_yaml(spec: RunSpec) -> str:
 
 
 def _nearby_specs(missing: Path) -> str:
-    """The YAML files beside the missing one (or in ./configs), for the error message."""
-    folder = missing.parent if missing.parent.is_dir() else Path("configs")
-    found = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+    """The YAML files in the folder the missing one was looked for in, for the error message."""
+    found = sorted(missing.parent.glob("*.yaml")) if missing.parent.is_dir() else []
     return ", ".join(str(c) for c in found) or "no YAML files"
 
 

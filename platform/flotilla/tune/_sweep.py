@@ -28,7 +28,7 @@ from flotilla.cluster import ResourceUse
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data, resolve_task
 from flotilla.metrics import mode_of, primary_metric
-from flotilla.errors import TrackingError, summarize
+from flotilla.errors import SpecError, summarize
 from flotilla.track import (
     Registration,
     Tracker,
@@ -94,7 +94,7 @@ def metric_and_mode(spec: RunSpec) -> tuple[str, str]:
 
 def run_sweep(spec: RunSpec) -> SweepOutcome:
     if spec.tune is None:
-        raise TrackingError("the spec has no `tune` section; add one (see configs/digits_sweep.yaml)")
+        raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune)"])
     started = time.monotonic()
     t = spec.tune
     name = t.name or f"{spec.name}-sweep"
