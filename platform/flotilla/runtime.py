@@ -33,10 +33,6 @@ DATA_CPUS = 1
 # Serve reads them when its processes start: they belong in the environment of `ray start`.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
-# The environment of every task and actor this driver starts. Ray Train's workers send each
-# `print` both to the console and through a logger that prints it again: one line is enough.
-WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-
 _STARTED_LOCAL = False
 
 
@@ -115,11 +111,13 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
     # local fake cluster needs it: its nodes share one runtime_resources directory, and each
     # node that unpacks a shipped package deletes the copy the others are running from.
+    # Shipping the package, every worker process also runs `quiet_process_logs` at start-up. Without
+    # it the job keeps Ray's default runtime env (its prestarted workers), and processes other than
+    # the driver may print Ray Data's notice that progress bars are off.
     ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
-    runtime_env = {"env_vars": WORKER_ENV, "worker_process_setup_hook": "flotilla.runtime.quiet_process_logs",
-                   **({"py_modules": [PACKAGE_DIR]} if ship else {})}
+    runtime_env = {"py_modules": [PACKAGE_DIR], "worker_process_setup_hook": "flotilla.runtime.quiet_process_logs"}
     with environment(env):  # Ray's processes keep it; this process gets its own back
-        ray.init(runtime_env=runtime_env, **init_kwargs)
+        ray.init(runtime_env=runtime_env if ship else None, **init_kwargs)
 
 
 def _local_gpus() -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -87,12 +88,12 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
     if latest is not None:
         chosen, note = _checkpoint.choose(latest)
         if note and rank == 0:
-            print(f"WARNING: {note}", flush=True)
+            say(f"WARNING: {note}")
         with chosen.as_directory() as directory:
             state = _checkpoint.load(engine, directory, rank)
         start_epoch, history, resumed_from = state["epoch"], state["history"], state["global_step"]
         if rank == 0:
-            print(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path})", flush=True)
+            say(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path})")
 
     is_lm = schema.task == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
@@ -197,7 +198,13 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
             )
         live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
-            print(format_epoch(config.run_name, metrics, t.epochs), flush=True)
+            say(format_epoch(config.run_name, metrics, t.epochs))
+
+
+def say(line: str) -> None:
+    """One line to the worker's own stdout, which Ray relays to the driver once. (Ray Train replaces
+    `print` on its workers with one that both prints and logs, and the log line is printed again.)"""
+    print(line, file=sys.__stdout__ or sys.stdout, flush=True)
 
 
 def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
@@ -233,8 +240,8 @@ class _Progress:
         self.last = now
         elapsed = now - self.started
         eta = elapsed / self.done * max(self.total - self.done, 0)
-        print(f"{self.label}  batch {self.done}/{self.total}  loss {loss:.4f}  {self.samples / elapsed:.0f} samples/s  "
-              f"ETA {eta:.0f}s", flush=True)
+        say(f"{self.label}  batch {self.done}/{self.total}  loss {loss:.4f}  {self.samples / elapsed:.0f} samples/s  "
+            f"ETA {eta:.0f}s")
 
 
 def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
