@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,17 +144,29 @@ def prepare_data(spec: RunSpec) -> PreparedData:
 
 
 def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, source) -> dict[Any, int]:
-    """Fit `step` as Ray's own `fit` would (classes sorted, index = position), from Ray Data's
-    `unique` aggregation: Ray's fit collects value counts as dicts keyed by label, which Arrow
-    cannot hold for integer labels, so each block falls back to pickled objects (and says so)."""
-    values = train.unique(label)
+    """Fit `step` as Ray's own `fit` would (classes sorted, index = position) in one pass: each block
+    lists its labels as one JSON string. (Ray's fit collects value counts as dicts keyed by label,
+    which Arrow cannot hold for integer labels, so each block falls back to pickled objects and
+    says so; Ray Data's `unique` is a shuffle, with an actor per partition.)"""
+    per_block = train.map_batches(_labels_of_block, batch_format="pandas", batch_size=None,
+                                  fn_kwargs={"label": label}).take_all()
+    values = sorted({v for row in per_block for v in json.loads(row["labels"])}, key=_sort_key)
     if any(v is None or (isinstance(v, float) and v != v) for v in values):
         raise DataError(f"label column {label!r} of {source.description!r} has missing values; "
                         "drop or fill those rows before training")
-    mapping = {v: i for i, v in enumerate(sorted(values))}
+    mapping = {v: i for i, v in enumerate(values)}
     step._set_stats(stats={f"unique_values({label})": mapping})
     step._fitted = True
     return mapping
+
+
+def _labels_of_block(df: pd.DataFrame, label: str) -> pd.DataFrame:
+    values = [v.item() if hasattr(v, "item") else v for v in df[label].unique()]
+    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])]})
+
+
+def _sort_key(value: Any) -> tuple:
+    return (value is None, str(type(value)), value if value is not None else 0)
 
 
 def resolve_task(spec: RunSpec) -> str:
