@@ -57,8 +57,8 @@ class DataSpec(_Section):
     )
     cache: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="Keep the preprocessed splits in Ray's object store instead of re-reading and "
-        "re-transforming the source every epoch. `auto` caches when the estimate is under a quarter of "
+        description="Keep the source as read and the preprocessed splits in Ray's object store instead "
+        "of re-reading and re-transforming the source for every fit and every epoch. `auto` caches when the estimate is under a quarter of "
         "the object store; larger data always streams.",
     )
     max_bytes: Optional[int] = Field(
