@@ -199,10 +199,7 @@ def _train(args) -> int:
     task = outcome.task
     print(f"run {outcome.run_name}: {primary_metric(task).format(m[primary_metric(task).name])} after {m['epoch']} "
           f"epochs; bundle at {outcome.bundle_path}")
-    if outcome.mlflow_run_id:
-        print(f"MLflow run {outcome.mlflow_run_id} at {outcome.tracking_uri}{_browse_hint(outcome.tracking_uri)}")
-    if outcome.registration is not None:
-        print(outcome.registration.describe())
+    _print_tracking("MLflow run", outcome.mlflow_run_id, outcome.tracking_uri, outcome.registration)
     return 0
 
 
@@ -219,11 +216,16 @@ def _sweep(args) -> int:
         print(f"sweep {outcome.name}: no trial completed")
         return 1
     print(f"sweep {outcome.name}: best {outcome.best.run_name} {outcome.metric} {outcome.best.metric:.4f}")
-    if outcome.parent_run_id:
-        print(f"MLflow parent run {outcome.parent_run_id} at {outcome.tracking_uri}{_browse_hint(outcome.tracking_uri)}")
-    if outcome.registration is not None:
-        print(outcome.registration.describe())
+    _print_tracking("MLflow parent run", outcome.parent_run_id, outcome.tracking_uri, outcome.registration)
     return 0
+
+
+def _print_tracking(what: str, run_id: str | None, tracking_uri: str | None, registration) -> None:
+    """Where the run is in MLflow and what was registered: the last lines of `train` and `sweep`."""
+    if run_id:
+        print(f"{what} {run_id} at {tracking_uri}{_browse_hint(tracking_uri)}")
+    if registration is not None:
+        print(registration.describe())
 
 
 def _deploy(args) -> int:

@@ -90,3 +90,21 @@ def test_resume_picks_the_latest_run_of_this_spec(tmp_path):
     (tmp_path / "digits-20261130-121500").mkdir()  # never got as far as its spec: not a run
     spec = load_spec(ROOT / "configs" / "digits.yaml", [f"train.storage_path={tmp_path}"])
     assert latest_run(spec) == "digits-20261130-111500"
+
+
+def test_train_and_sweep_end_with_where_the_run_is_and_what_was_registered(capsys, tmp_path, monkeypatch):
+    from flotilla.cli import _print_tracking
+
+    class Registered:
+        def describe(self):
+            return "registered digits v2 (candidate); gate failed: val_accuracy 0.90 >= 0.95 no"
+
+    monkeypatch.chdir(tmp_path)
+    _print_tracking("MLflow run", "abc123", f"sqlite:///{tmp_path}/mlflow.db", Registered())
+    _print_tracking("MLflow parent run", "def456", "http://127.0.0.1:5000", None)
+    _print_tracking("MLflow run", None, None, None)  # tracking off: nothing to say
+    assert capsys.readouterr().out.splitlines() == [
+        f"MLflow run abc123 at sqlite:///{tmp_path}/mlflow.db; browse: mlflow ui",
+        "registered digits v2 (candidate); gate failed: val_accuracy 0.90 >= 0.95 no",
+        "MLflow parent run def456 at http://127.0.0.1:5000",
+    ]
