@@ -39,6 +39,8 @@ def test_default_config_reaches_95_percent_and_bundle_predicts_like_the_model(ch
     assert len(outcome.history) == spec.train.epochs
     assert all("resumed_from_step" not in m for m in outcome.history)  # a new name starts fresh
     bundle = load_bundle(outcome.bundle_path)
+    # ZeRO-2's consolidated weights reproduce the engine's outputs (test_train checks 0, 1 and 3).
+    assert outcome.metrics["zero_stage"] == 2 and bundle.metrics["bundle_check_max_abs_diff"] < 1e-5
     for name in ("model.safetensors", "model.json", "preprocessors.json", "metrics.json"):
         assert (store / outcome.run_name / "bundle" / name).is_file()
     rows, labels = digits_val_rows(spec)

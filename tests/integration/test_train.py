@@ -20,7 +20,8 @@ from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, metric_steps
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Stage 2, the default, is checked on the session's default run (test_track).
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_each_zero_stage_trains_and_consolidates_fp32_weights(ray_cluster, tmp_path, stage):
     spec = digits_spec(
         tmp_path, f"train.zero_stage={stage}", "train.precision=fp32", "train.epochs=2", "train.batch_size=64",
