@@ -129,6 +129,11 @@ class TrainSpec(_Section):
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     cpus_per_worker: float = Field(1, gt=0, description="CPUs reserved per worker; also its torch thread count.")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs per worker; > 0 trains on CUDA with NCCL.")
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="Where the workers go: `pack` fills a node before the next (fastest collectives); "
+        "`spread` puts them on different nodes where it can (a lost node costs fewer ranks).",
+    )
     epochs: int = Field(10, gt=0, description="Passes over the train split.")
     batch_size: int = Field(64, gt=0, description="Micro-batch per worker per step.")
     grad_accum: int = Field(

@@ -109,6 +109,7 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
             num_workers=t.num_workers,
             use_gpu=t.gpus_per_worker > 0,
             resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
+            placement_strategy=t.placement.upper(),
         ),
         run_config=ray.train.RunConfig(
             name=run_name,

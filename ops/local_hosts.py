@@ -1,0 +1,341 @@
+"""Hosts on one machine: a Ray cluster whose nodes share nothing but a network and a storage directory.
+
+    .venv/bin/python ops/local_hosts.py up          # head, 2 workers, a client; Ray started; prints how to use them
+    .venv/bin/python ops/local_hosts.py exec client -- ray job submit --address http://10.231.0.1:8265 \\
+        --working-dir . -- python pipelines/train.py --config configs/digits.yaml
+    .venv/bin/python ops/local_hosts.py down        # stops every process of the hosts, removes mounts and namespaces
+
+Needs root (Linux network and mount namespaces). Each host is
+- a network namespace of its own, linked to the others through a bridge in one more namespace
+  (`PREFIX-net`): nothing is added to this machine's own interfaces, routes or addresses;
+- a host name of its own (UTS namespace) that resolves to its address (its own /etc/hosts);
+- a mount namespace of its own: a private tmpfs over /tmp/ray (its Ray session directory) and, on
+  every host but the client, an empty tmpfs over the checkout's source folders, so Flotilla's code
+  reaches head and workers only the way it reaches a cloud node (the job's runtime environment).
+  The installed environment (.venv) stays, as a node image would have it.
+The head runs Ray with `CPU: 0`, as cluster.yaml starts it; each worker has `--worker-cpus`. One
+token (RAY_AUTH_TOKEN) is handed to every host, the way cluster.yaml's file_mounts hand out
+~/.ray/auth_token. The shared directory (`--shared`, default /var/tmp/PREFIX-shared) has the same
+path on every host: a stand-in for NFS/EFS.
+
+`up` records what it made in /var/tmp/PREFIX.json; `down` reads it and removes exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SUBNET = "10.231.0"
+# What a node image does not have: the checkout's source (present on the client only).
+SOURCE_DIRS = ("platform", "pipelines", "tune", "configs", "serve_apps", "tests", "ops", "benchmarks")
+DASHBOARD_PORT, GCS_PORT = 8265, 6379
+
+
+@dataclass
+class Host:
+    name: str  # head, worker1, worker2, client
+    namespace: str
+    address: str
+    holder_pid: int = 0  # a process that keeps the host's mount namespace (and sits in its network one)
+
+
+@dataclass
+class Hosts:
+    prefix: str = "flt"
+    workers: int = 2
+    worker_cpus: int = 2
+    shared: str = ""
+    token: str = field(default_factory=lambda: secrets.token_hex(32))
+    hosts: list[Host] = field(default_factory=list)
+    ray_pids: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.shared = self.shared or f"/var/tmp/{self.prefix}-shared"
+        if not self.hosts:
+            names = ["head", *(f"worker{i + 1}" for i in range(self.workers)), "client"]
+            last = {"head": 1, "client": 100}
+            self.hosts = [Host(n, f"{self.prefix}-{n}", f"{SUBNET}.{last.get(n, 10 + i)}")
+                          for i, n in enumerate(names)]
+
+    # ------------------------------------------------------------------ lookup
+    def __getitem__(self, name: str) -> Host:
+        return next(h for h in self.hosts if h.name == name)
+
+    @property
+    def head_address(self) -> str:
+        return self["head"].address
+
+    @property
+    def jobs_address(self) -> str:
+        return f"http://{self.head_address}:{DASHBOARD_PORT}"
+
+    @property
+    def state_file(self) -> Path:
+        return Path(f"/var/tmp/{self.prefix}.json")
+
+    def save(self) -> None:
+        self.state_file.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, prefix: str) -> "Hosts":
+        data = json.loads(Path(f"/var/tmp/{prefix}.json").read_text())
+        data["hosts"] = [Host(**h) for h in data["hosts"]]
+        return cls(**data)
+
+    # ------------------------------------------------------------------ running things on a host
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """What every host's processes get: the venv first on PATH (jobs run `python` from the
+        raylet's PATH), token auth with the cluster's token, and no address of another cluster."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(PATH=f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}", RAY_AUTH_MODE="token",
+                   RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        env.update(extra or {})
+        return env
+
+    def command(self, host: str, argv: list[str], cwd: str | Path | None = None) -> list[str]:
+        """`argv` on `host`, in `cwd` (entering a mount namespace moves a process to its root;
+        default: the checkout on the client, / elsewhere)."""
+        cwd = cwd or (ROOT if host == "client" else "/")
+        return ["nsenter", "-t", str(self[host].holder_pid), "-m", "-n", "-u", f"--wd={cwd}", "--", *argv]
+
+    def run(self, host: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+            timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
+        """Run `argv` on `host` and wait for it (output captured)."""
+        return subprocess.run(self.command(host, argv, cwd), env=self.env(env), capture_output=True, text=True,
+                              timeout=timeout, check=check)
+
+    def spawn(self, host: str, argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `argv` on `host` in the background, its output in `log`."""
+        with open(log, "ab") as out:
+            return subprocess.Popen(self.command(host, argv), env=self.env(env), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    # ------------------------------------------------------------------ up
+    def up(self, start_ray: bool = True) -> None:
+        try:
+            self._network()
+            for host in self.hosts:
+                host.holder_pid = self._holder(host)
+            Path(self.shared).mkdir(parents=True, exist_ok=True)
+            self.save()
+            if start_ray:
+                self.start_ray()
+        except BaseException:
+            self.down()
+            raise
+
+    def _network(self) -> None:
+        net = f"{self.prefix}-net"
+        _ip("netns", "add", net)
+        self.save()  # from here on, `down` has something to remove
+        _ip("-n", net, "link", "add", "br0", "type", "bridge")
+        _ip("-n", net, "link", "set", "br0", "up")
+        for host in self.hosts:
+            _ip("netns", "add", host.namespace)
+            self.save()
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+            # Both ends are created inside namespaces: nothing appears in this machine's own.
+            _ip("-n", host.namespace, "link", "add", "eth0", "type", "veth", "peer", "name", host.name, "netns", net)
+            _ip("-n", net, "link", "set", host.name, "master", "br0")
+            _ip("-n", net, "link", "set", host.name, "up")
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip("-n", host.namespace, "link", "set", "eth0", "up")
+
+    @property
+    def hosts_file(self) -> Path:
+        return Path(f"/var/tmp/{self.prefix}-hosts")
+
+    def _holder(self, host: Host) -> int:
+        # A name of its own that resolves to its link address, as a cloud VM's does (Gloo and
+        # others bind to what the host name resolves to; a shared /etc/hosts would say 127.0.0.1).
+        names = "".join(f"{h.address} {h.namespace}\n" for h in self.hosts)
+        self.hosts_file.write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
+        mounts = [f"hostname {host.namespace}", f"mount --bind {self.hosts_file} /etc/hosts",
+                  "mkdir -p /tmp/ray", "mount -t tmpfs -o size=2g,mode=1777 tmpfs /tmp/ray"]
+        if host.name != "client":
+            mounts += [f"mount -t tmpfs -o size=1m,ro tmpfs {shlex.quote(str(ROOT / d))}"
+                       for d in SOURCE_DIRS if (ROOT / d).is_dir()]
+        script = " && ".join(mounts) + " && echo ready && exec sleep infinity"
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--uts", "--propagation", "private",
+             "sh", "-c", script],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        line = proc.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"host {host.name}: could not set up its mounts: {line} {proc.stdout.read()[:2000]}")
+        return proc.pid
+
+    def start_ray(self, timeout_s: float = 180) -> None:
+        """Ray on every host: the head with CPU 0 and the jobs API on its link address, then the workers."""
+        logs = Path(self.shared) / "logs"
+        logs.mkdir(exist_ok=True)
+        common = ["--block", "--disable-usage-stats", "--object-store-memory=300000000"]
+        head = self["head"]
+        self.ray_pids["head"] = self.spawn("head", [
+            "ray", "start", "--head", "--num-cpus=0", f"--port={GCS_PORT}", f"--node-ip-address={head.address}",
+            f"--dashboard-host={head.address}", f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true",
+            *common], logs / "head.log").pid
+        self.save()
+        self._wait(lambda: self.run("client", ["ray", "job", "list", "--address", self.jobs_address],
+                                    timeout=60).returncode == 0, timeout_s, "the head's jobs API", logs / "head.log")
+        for host in self.hosts:
+            if host.name.startswith("worker"):
+                self.ray_pids[host.name] = self.spawn(host.name, [
+                    "ray", "start", f"--address={head.address}:{GCS_PORT}", f"--num-cpus={self.worker_cpus}",
+                    f"--node-ip-address={host.address}", *common], logs / f"{host.name}.log").pid
+        self.save()
+        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes", logs)
+
+    def alive_workers(self) -> int:
+        """Worker nodes the head's GCS counts as alive (asked from the client host)."""
+        out = self.run("client", ["ray", "list", "nodes", "--address", self.jobs_address, "--format", "json",
+                                  "--filter", "state=ALIVE"], timeout=60)
+        if out.returncode != 0:
+            return -1
+        return sum(1 for n in json.loads(out.stdout or "[]") if not n.get("is_head_node"))
+
+    @staticmethod
+    def _wait(ready, timeout_s: float, what: str, log: Path) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s; see {log}")
+            time.sleep(1)
+
+    # ------------------------------------------------------------------ faults and teardown
+    def kill_host(self, name: str) -> list[int]:
+        """Every process of `name` killed at once (its network namespace lists them), as a machine
+        that loses power; the namespace, its link and its mounts stay for `revive`."""
+        pids = self._pids(self[name].namespace, keep={self[name].holder_pid})
+        _kill(pids)
+        return pids
+
+    def down(self) -> None:
+        """Stop every process of every host (by pid), then remove the namespaces, the bridge and the
+        shared directory. Safe to call on a half-built set of hosts, and twice."""
+        namespaces = [h.namespace for h in self.hosts] + [f"{self.prefix}-net"]
+        existing = set(_netns_list())
+        for ns in namespaces:
+            if ns in existing:
+                _kill(self._pids(ns))
+        for host in self.hosts:  # holders are in the namespaces too; this covers a half-made one
+            if host.holder_pid:
+                _kill([host.holder_pid])
+        for ns in namespaces:
+            if ns in existing:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(self.shared, ignore_errors=True)
+        self.hosts_file.unlink(missing_ok=True)
+        self.state_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def _pids(namespace: str, keep: set[int] = frozenset()) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split() if int(p) not in keep]
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _netns_list() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _kill(pids: list[int], timeout_s: float = 15) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:  # gone, not merely signalled (our own children are reaped here too)
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                if not Path(f"/proc/{pid}").exists():
+                    break
+            time.sleep(0.05)
+
+
+def can_make_hosts() -> str | None:
+    """None when this machine can build hosts; otherwise the kernel's (or the system's) reason."""
+    if os.geteuid() != 0:
+        return "building hosts needs root (network and mount namespaces)"
+    if not shutil.which("ip") or not shutil.which("nsenter") or not shutil.which("unshare"):
+        return "building hosts needs iproute2 (`ip`) and util-linux (`nsenter`, `unshare`)"
+    probe = f"flt-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add: {made.stderr.strip()}"
+    try:
+        mount = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--mount", "--propagation", "private",
+                                "mount", "-t", "tmpfs", "tmpfs", "/mnt"], capture_output=True, text=True)
+        if mount.returncode != 0:
+            return f"unshare --mount: {mount.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["up", "down", "exec", "status"])
+    parser.add_argument("host", nargs="?", help="exec: head, worker1, worker2 or client")
+    parser.add_argument("--prefix", default="flt", help="names of the namespaces and files (default: flt)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-cpus", type=int, default=2)
+    parser.add_argument("--shared", default="", help="the shared storage directory (default: /var/tmp/PREFIX-shared)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_intermixed_args(argv[:argv.index("--")] if "--" in argv else argv)
+
+    if args.action == "up":
+        reason = can_make_hosts()
+        if reason:
+            print(f"cannot build hosts here: {reason}", file=sys.stderr)
+            return 2
+        hosts = Hosts(args.prefix, args.workers, args.worker_cpus, args.shared)
+        hosts.up()
+        for h in hosts.hosts:
+            print(f"{h.name:8} {h.address:14} namespace {h.namespace}")
+        print(f"jobs API and dashboard: {hosts.jobs_address}   shared storage: {hosts.shared}")
+        print(f"run on a host:  {sys.argv[0]} exec client -- ray status --address {hosts.head_address}:{GCS_PORT}")
+        print(f"stop:           {sys.argv[0]} down")
+        return 0
+    hosts = Hosts.load(args.prefix)
+    if args.action == "down":
+        hosts.down()
+        print(f"removed {', '.join(h.namespace for h in hosts.hosts)} and {hosts.prefix}-net")
+        return 0
+    if args.action == "status":
+        print(f"{hosts.alive_workers()} worker node(s) alive; jobs API {hosts.jobs_address}")
+        return 0
+    if not args.host or not command:
+        parser.error("exec needs a host and a command: exec client -- ray status")
+    proc = subprocess.run(hosts.command(args.host, command, os.getcwd() if args.host == "client" else "/"),
+                          env=hosts.env())
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
