@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The servers the test suite runs beyond .venv: PostgreSQL (behind the shared MLflow server test)
-# and Prometheus (the monitoring test), from Debian's packages. `make test` runs this first; it
+# and Prometheus (the monitoring test), and iproute2 (`ip`, for the hosts of test_hosts), from
+# Debian's packages. `make test` runs this first; it
 # installs nothing when both are there. The tests start and stop their own instances.
 set -euo pipefail
 
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
+PATH="$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || need+=(iproute2)
 if ! { command -v initdb && command -v pg_ctl; } >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   need+=(postgresql)
 fi
