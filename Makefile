@@ -20,7 +20,6 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(PIP) install --quiet -c requirements.lock -e '.[dev]'
-	$(PY) ops/build_deepspeed_ops.py
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install Flotilla (the `flotilla` command) into it

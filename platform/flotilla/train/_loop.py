@@ -71,6 +71,8 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
     precision = resolve_precision(t.precision, device)
     dtype = torch_dtype(precision)
 
+    if device.type == "cpu":
+        _skip_shared_memory_op()
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model_spec = spec.model.model_dump(mode="json")
     model = build_model(model_spec, schema)
@@ -348,3 +350,17 @@ def _broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _skip_shared_memory_op() -> None:
+    """Tell DeepSpeed its CPU shared-memory collective op is unavailable. It serves only
+    `inference_all_reduce` (training's collectives go through torch.distributed/Gloo either way),
+    yet DeepSpeed compiles it on the first run of every environment (~80 s on 2 cores) under a lock
+    file that a killed worker leaves behind for every later run to wait on forever."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
