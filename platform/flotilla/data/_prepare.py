@@ -64,8 +64,9 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         preprocessing["context"] = spec.model.context
     fp = fingerprint(source.paths, source.filesystem, preprocessing)
 
-    cache = _should_cache(d.cache, source, text)
-    ds = _read(source, in_driver=cache and _input_bytes(source) <= _DRIVER_READ_BYTES)
+    input_bytes = sum(info.size or 0 for info in source.filesystem.get_file_info(source.paths))
+    cache = _should_cache(d.cache, input_bytes, text)
+    ds = _read(source, in_driver=cache and input_bytes <= _DRIVER_READ_BYTES)
     # The one shuffle a run does is a preprocessor's fit, a global aggregate: Ray's sort-based
     # strategy runs it as tasks on the workers already up; the hash-based default starts an
     # aggregator actor per partition for every fit (seconds each on a small machine).
@@ -229,15 +230,11 @@ _EXPANSION = {True: 9.0, False: 6.0}
 _DRIVER_READ_BYTES = 64 * 1024**2
 
 
-def _input_bytes(source: ResolvedSource) -> int:
-    return sum(info.size or 0 for info in source.filesystem.get_file_info(source.paths))
-
-
-def _should_cache(policy: str, source: ResolvedSource, text: bool) -> bool:
+def _should_cache(policy: str, input_bytes: int, text: bool) -> bool:
     if policy != "auto":
         return policy == "always"
     store = ray.cluster_resources().get("object_store_memory", 0)
-    return _input_bytes(source) * _EXPANSION[text] < 0.25 * store
+    return input_bytes * _EXPANSION[text] < 0.25 * store
 
 
 def _read(source: ResolvedSource, in_driver: bool = False) -> ray.data.Dataset:
