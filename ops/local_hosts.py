@@ -13,10 +13,13 @@ Needs root (Linux network and mount namespaces). Each host is
   every host but the client, an empty tmpfs over the checkout's source folders, so Flotilla's code
   reaches head and workers only the way it reaches a cloud node (the job's runtime environment).
   The installed environment (.venv) stays, as a node image would have it.
-The head runs Ray with `CPU: 0`, as cluster.yaml starts it; each worker has `--worker-cpus`. One
-token (RAY_AUTH_TOKEN) is handed to every host, the way cluster.yaml's file_mounts hand out
-~/.ray/auth_token. The shared directory (`--shared`, default /var/tmp/PREFIX-shared) has the same
-path on every host: a stand-in for NFS/EFS.
+Each host starts from cluster.yaml's own start commands (`start_commands` says what is substituted):
+the head runs the MLflow server and Ray with `CPU: 0`, each worker Ray with `--worker-cpus`, and
+every node's `ray start` exports MLFLOW_TRACKING_URI (the head's server) and FLOTILLA_STORAGE_PATH
+(the shared directory's `runs`). One token (RAY_AUTH_TOKEN) is handed to every host, the way
+cluster.yaml's file_mounts hand out ~/.ray/auth_token. The shared directory (`--shared`, default
+/var/tmp/PREFIX-shared) has the same path on every host: a stand-in for NFS/EFS. Each host has a
+home of its own (/var/tmp/PREFIX-home-HOST: `~` in cluster.yaml's commands).
 
 `up` records what it made in /var/tmp/PREFIX.json; `down` reads it and removes exactly that.
 """
@@ -41,7 +44,8 @@ BIN = Path(sys.executable).parent
 SUBNET = "10.231.0"
 # What a node image does not have: the checkout's source (present on the client only).
 SOURCE_DIRS = ("platform", "pipelines", "tune", "configs", "serve_apps", "tests", "ops", "benchmarks")
-DASHBOARD_PORT, GCS_PORT = 8265, 6379
+DASHBOARD_PORT, GCS_PORT, MLFLOW_PORT = 8265, 6379, 5000
+CLUSTER_YAML = ROOT / "cluster.yaml"
 
 
 @dataclass
@@ -60,7 +64,6 @@ class Hosts:
     shared: str = ""
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     hosts: list[Host] = field(default_factory=list)
-    ray_pids: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.shared = self.shared or f"/var/tmp/{self.prefix}-shared"
@@ -179,26 +182,62 @@ class Hosts:
             raise RuntimeError(f"host {host.name}: could not set up its mounts: {line} {proc.stdout.read()[:2000]}")
         return proc.pid
 
+    def home(self, host: str) -> Path:
+        """The host's own home directory (`~` in cluster.yaml's commands): the head keeps MLflow's data there."""
+        return Path(f"/var/tmp/{self.prefix}-home-{host}")
+
+    def start_commands(self, host: str) -> list[str]:
+        """cluster.yaml's start commands for `host` (head or a worker), as `ray up` would run them there,
+        with what only a cloud has substituted: the head's link address for the dashboard (the client
+        host submits to it) and no autoscaler config; the shared directory for s3://BUCKET; the
+        host's address and a small object store on `ray start`. `ray stop` is left out: it stops
+        every Ray process of the machine, not only this host's."""
+        import yaml
+
+        kind = "head" if host == "head" else "worker"
+        commands = yaml.safe_load(CLUSTER_YAML.read_text())[f"{kind}_start_ray_commands"]
+        out = []
+        for command in commands:
+            if command.strip() == "ray stop":
+                continue
+            command = command.replace("s3://BUCKET/flotilla/runs", f"{self.shared}/runs")
+            if "ray start" in command:
+                command = (command.replace("--dashboard-host=127.0.0.1", f"--dashboard-host={self.head_address}")
+                           .replace(" --autoscaling-config=~/ray_bootstrap_config.yaml", "")
+                           + f" --node-ip-address={self[host].address} --object-store-memory=300000000")
+            out.append(command)
+        return out
+
+    def start_node(self, host: str) -> None:
+        """Run cluster.yaml's start commands on `host`, with the environment the autoscaler gives them."""
+        cpus = 0 if host == "head" else self.worker_cpus
+        home = self.home(host)
+        home.mkdir(parents=True, exist_ok=True)
+        env = {"HOME": str(home), "RAY_HEAD_IP": self.head_address, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": cpus})}
+        for command in self.start_commands(host):
+            done = self.run(host, ["bash", "-c", command], env=env, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
+
     def start_ray(self, timeout_s: float = 180) -> None:
-        """Ray on every host: the head with CPU 0 and the jobs API on its link address, then the workers."""
-        logs = Path(self.shared) / "logs"
-        logs.mkdir(exist_ok=True)
-        common = ["--block", "--disable-usage-stats", "--object-store-memory=300000000"]
-        head = self["head"]
-        self.ray_pids["head"] = self.spawn("head", [
-            "ray", "start", "--head", "--num-cpus=0", f"--port={GCS_PORT}", f"--node-ip-address={head.address}",
-            f"--dashboard-host={head.address}", f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true",
-            *common], logs / "head.log").pid
-        self.save()
+        """The cluster as cluster.yaml starts it: the head (MLflow server, Ray with CPU 0, the jobs API
+        on its link address), then the workers."""
+        self.start_node("head")
         self._wait(lambda: self.run("client", ["ray", "job", "list", "--address", self.jobs_address],
-                                    timeout=60).returncode == 0, timeout_s, "the head's jobs API", logs / "head.log")
+                                    timeout=60).returncode == 0, timeout_s, "the head's jobs API",
+                   self.home("head"))
         for host in self.hosts:
             if host.name.startswith("worker"):
-                self.ray_pids[host.name] = self.spawn(host.name, [
-                    "ray", "start", f"--address={head.address}:{GCS_PORT}", f"--num-cpus={self.worker_cpus}",
-                    f"--node-ip-address={host.address}", *common], logs / f"{host.name}.log").pid
-        self.save()
-        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes", logs)
+                self.start_node(host.name)
+        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes", Path("/tmp/ray"))
+        self._wait(lambda: self.run("client", ["python", "-c", "import sys, urllib.request; sys.exit("
+                                               f"urllib.request.urlopen({self.tracking_uri + '/health'!r}, timeout=5).status != 200)"],
+                                    timeout=60).returncode == 0, timeout_s, "the head's MLflow server",
+                   self.home("head") / "flotilla" / "mlflow" / "server.log")
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"http://{self.head_address}:{MLFLOW_PORT}"
 
     def alive_workers(self) -> int:
         """Worker nodes the head's GCS counts as alive (asked from the client host)."""
@@ -224,6 +263,13 @@ class Hosts:
         _kill(pids)
         return pids
 
+    def replace_host(self, name: str) -> None:
+        """A fresh machine in place of a dead worker host (as an autoscaler would launch one): an empty
+        Ray session directory and home, then cluster.yaml's start commands."""
+        self.run(name, ["sh", "-c", "umount -l /tmp/ray; mount -t tmpfs -o size=2g,mode=1777 tmpfs /tmp/ray"], check=True)
+        shutil.rmtree(self.home(name), ignore_errors=True)
+        self.start_node(name)
+
     def down(self) -> None:
         """Stop every process of every host (by pid), then remove the namespaces, the bridge and the
         shared directory. Safe to call on a half-built set of hosts, and twice."""
@@ -239,6 +285,8 @@ class Hosts:
             if ns in existing:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self.shared, ignore_errors=True)
+        for host in self.hosts:
+            shutil.rmtree(self.home(host.name), ignore_errors=True)
         self.hosts_file.unlink(missing_ok=True)
         self.state_file.unlink(missing_ok=True)
 
@@ -318,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.up()
         for h in hosts.hosts:
             print(f"{h.name:8} {h.address:14} namespace {h.namespace}")
-        print(f"jobs API and dashboard: {hosts.jobs_address}   shared storage: {hosts.shared}")
+        print(f"jobs API and dashboard: {hosts.jobs_address}   MLflow: {hosts.tracking_uri}   shared storage: {hosts.shared}")
         print(f"run on a host:  {sys.argv[0]} exec client -- ray status --address {hosts.head_address}:{GCS_PORT}")
         print(f"stop:           {sys.argv[0]} down")
         return 0

@@ -95,6 +95,90 @@ def _autoscaler_launching() -> bool:
     return bool(report.get("pending_launches") or report.get("pending_nodes"))
 
 
+# ------------------------------------------------------------------- storage
+# Ray unpacks a job's `--working-dir` here on every node and deletes it after the job.
+_JOB_DIR_MARK = "/runtime_resources/working_dir_files/"
+_STORAGE_FIX = {
+    "train.storage_path": "`--set train.storage_path=s3://BUCKET/runs` or a directory mounted on every node "
+                          "(or FLOTILLA_STORAGE_PATH in the environment of the cluster's `ray start`, as cluster.yaml sets it)",
+    "track.uri": "a tracking server every node reaches: MLFLOW_TRACKING_URI in the environment of the cluster's "
+                 "`ray start` (cluster.yaml starts one on the head) or `--set track.uri=http://HEAD:5000`",
+}
+
+
+def local_storage(storage_path: str, tracking_uri: str | None) -> dict[str, str]:
+    """{field: local directory} for the storage a run writes that is a path on this node: the
+    resolved `train.storage_path` unless it is a URI, and a SQLite tracking store's directory."""
+    from pathlib import Path
+
+    paths = {}
+    if "://" not in storage_path:
+        paths["train.storage_path"] = str(Path(storage_path).expanduser().resolve())
+    if tracking_uri and tracking_uri.startswith("sqlite:///"):
+        paths["track.uri"] = str(Path(tracking_uri.removeprefix("sqlite:///")).parent)
+    return paths
+
+
+def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
+    """Refuse local directories that would lose work on this cluster, naming the field and the fix.
+
+    `paths` maps a spec field (`train.storage_path`, `track.uri`) to the local directory it
+    resolves to. Refused: a directory inside this job's unpacked `--working-dir` (Ray deletes it
+    when the job ends, on any cluster), and, on a cluster of more than one node, a directory that
+    not every node sees (a checkpoint written there cannot be resumed on another node, a model
+    registered there cannot be loaded by a replica elsewhere). Visibility is tested, not guessed:
+    a marker file written here is looked for by a zero-CPU task pinned to each alive node.
+    """
+    from flotilla.errors import ClusterError
+
+    problems = []
+    for field, directory in paths.items():
+        if _JOB_DIR_MARK in directory + "/":
+            problems.append(f"{field} resolves to {directory}, inside this job's unpacked --working-dir, which Ray "
+                            f"deletes when the job ends; use {_STORAGE_FIX[field]}")
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if not problems and len(nodes) > 1:
+        for field, directory in paths.items():
+            blind = _nodes_not_seeing(directory, nodes)
+            if blind:
+                problems.append(
+                    f"{field} resolves to {directory}, a directory of this node only: node(s) {', '.join(blind)} of "
+                    f"this {len(nodes)}-node cluster cannot see it (checkpoints and registered models must be "
+                    f"readable from every node); use {_STORAGE_FIX[field]}")
+    if problems:
+        raise ClusterError("storage this cluster would lose work in:\n  - " + "\n  - ".join(problems))
+
+
+def _nodes_not_seeing(directory: str, nodes: list[dict]) -> list[str]:
+    """Addresses of the nodes on which a marker file written into `directory` here is absent."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    marker = Path(directory) / f".flotilla-visible-{uuid.uuid4().hex}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("")
+    probe = ray.remote(num_cpus=0, max_retries=0)(os.path.exists)
+    try:
+        refs = {n["NodeManagerAddress"]: probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(marker))
+            for n in nodes}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=120)
+        blind = []
+        for address, ref in refs.items():
+            try:
+                seen = ray.get(ref, timeout=0)
+            except Exception:  # a node that could not run the probe in time cannot be relied on either
+                seen = False
+            if not seen:
+                blind.append(address)
+        return sorted(blind)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------ cost
 @dataclass
 class Prices:

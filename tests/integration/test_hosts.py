@@ -1,17 +1,22 @@
 """A cluster of hosts that share nothing but a network and a storage directory (ops/local_hosts.py):
 a head with CPU 0, two worker hosts without the project's source, and a client host that submits.
 
-Each host is a network namespace and a mount namespace of its own; the module builds them, runs
-Ray on them and removes them. Skipped, with the kernel's reason, where namespaces cannot be made.
+Each host is a network namespace and a mount namespace of its own; the module builds them, starts
+them with cluster.yaml's own start commands (the head's MLflow server, Ray, the cluster-wide
+MLFLOW_TRACKING_URI and FLOTILLA_STORAGE_PATH), runs the lifecycle from the client host — train,
+sweep, deploy, promote and roll — kills a worker host during training and another while serving,
+and removes everything. Skipped, with the kernel's reason, where namespaces cannot be made.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +30,7 @@ local_hosts = sys.modules.setdefault("local_hosts", importlib.util.module_from_s
 _spec.loader.exec_module(local_hosts)
 
 PREFIX = f"flt{os.getpid() % 100000}"
+SERVE_PORT = 8000
 
 
 def _links() -> list[str]:
@@ -46,6 +52,67 @@ def hosts():
         made.down()
 
 
+# ------------------------------------------------------------------ helpers
+def submit(hosts, job_id: str, script: str, *args: str, wait: bool = True, timeout: float = 600):
+    """`ray job submit --working-dir .` from the client host, as a user types it."""
+    return hosts.run("client", [
+        "ray", "job", "submit", "--address", hosts.jobs_address, "--working-dir", ".", "--submission-id", job_id,
+        *([] if wait else ["--no-wait"]), "--", "python", script, *args], timeout=timeout)
+
+
+def job_log(hosts, job_id: str) -> str:
+    """The job driver's log, read straight from the head's own session directory."""
+    path = Path(f"/proc/{hosts['head'].holder_pid}/root/tmp/ray/session_latest/logs/job-driver-{job_id}.log")
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for_job(hosts, job_id: str, timeout: float = 600) -> str:
+    """Block until the job ends; its final status (SUCCEEDED, FAILED, ...)."""
+    hosts.run("client", ["ray", "job", "logs", "--address", hosts.jobs_address, "--follow", job_id], timeout=timeout)
+    out = hosts.run("client", ["ray", "job", "status", "--address", hosts.jobs_address, job_id], timeout=60)
+    found = re.search(r"status: (\w+)", out.stdout) or re.search(r"Job '\S+' (\w+)", out.stdout)
+    return found.group(1).upper() if found else out.stdout + out.stderr
+
+
+def on_client(hosts, code: str, timeout: float = 120):
+    """Python run on the client host; its stdout parsed as JSON."""
+    out = hosts.run("client", ["python", "-c", code], timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def registry(hosts) -> dict:
+    """What the head's MLflow server holds for `digits`: runs by status, versions, aliases."""
+    return on_client(hosts, f"""
+import json
+from mlflow import MlflowClient
+c = MlflowClient({hosts.tracking_uri!r})
+exp = c.get_experiment_by_name("digits")
+runs = c.search_runs([exp.experiment_id], max_results=100) if exp else []
+versions = c.search_model_versions("name='digits'")
+print(json.dumps({{
+    "runs": [{{"name": r.info.run_name, "status": r.info.status, "artifact_uri": r.info.artifact_uri,
+              "parent": r.data.tags.get("mlflow.parentRunId"), "epochs": len(c.get_metric_history(r.info.run_id, "val_loss"))}}
+             for r in runs],
+    "versions": sorted(int(v.version) for v in versions),
+    "aliases": c.get_registered_model("digits").aliases if versions else {{}},
+}}))
+""")
+
+
+def replica_hosts(hosts) -> list[str]:
+    """Addresses of the nodes whose alive Serve replicas serve `digits`."""
+    return on_client(hosts, f"""
+import json
+from ray.util.state import list_actors, list_nodes
+a = {hosts.jobs_address!r}
+ips = {{n.node_id: n.node_ip for n in list_nodes(address=a)}}
+print(json.dumps(sorted(ips[x.node_id] for x in list_actors(address=a, filters=[("state", "=", "ALIVE")], limit=10000)
+                        if x.class_name.startswith("ServeReplica:digits:"))))
+""")
+
+
+# ------------------------------------------------------------------ the hosts
 def test_hosts_share_only_the_network_and_the_storage(hosts):
     # Nothing was added to this machine's own interfaces, addresses or routes.
     assert _links() == hosts.links_before
@@ -75,25 +142,106 @@ def test_hosts_share_only_the_network_and_the_storage(hosts):
     # The shared directory is the same on every host.
     hosts.run("worker2", ["sh", "-c", f"echo from-worker2 > {hosts.shared}/hello"], check=True)
     assert hosts.run("client", ["cat", f"{hosts.shared}/hello"]).stdout.strip() == "from-worker2"
+    # cluster.yaml's head commands started MLflow on the head; every host reaches it.
+    for h in ("worker1", "client"):
+        health = hosts.run(h, ["python", "-c", f"import urllib.request; print(urllib.request.urlopen("
+                                               f"{hosts.tracking_uri + '/health'!r}, timeout=5).read().decode())"])
+        assert health.stdout.strip() == "OK", (h, health.stderr[-2000:])
 
 
-def test_a_job_from_the_client_host_trains_on_both_worker_hosts(hosts):
-    runs = f"{hosts.shared}/runs"
-    submit = hosts.run("client", [
-        "ray", "job", "submit", "--address", hosts.jobs_address, "--working-dir", ".", "--",
-        "python", "pipelines/train.py", "--config", "configs/digits.yaml", "--set", f"train.storage_path={runs}",
-        "--set", "train.run_name=across", "--set", "train.epochs=2", "--set", "train.placement=spread",
-        "--set", "track.enabled=false",
-    ], timeout=600)
-    out = submit.stdout + submit.stderr
-    assert submit.returncode == 0, out[-4000:]
-    assert "run across: val_accuracy" in out
-    # One rank on each worker host (the head has no CPUs), checkpoints and bundle in shared storage.
-    ranks = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", out))
+def test_storage_that_one_node_sees_is_refused_before_training(hosts):
+    # /tmp/ray is each host's own: a job that would checkpoint or track there is refused, naming both.
+    out = submit(hosts, "local-storage", "pipelines/train.py", "--config", "configs/digits.yaml",
+                 "--set", "train.storage_path=/tmp/ray/runs", "--set", "track.uri=sqlite:////tmp/ray/mlflow/mlflow.db")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert "train.storage_path resolves to /tmp/ray/runs, a directory of this node only" in text, text[-3000:]
+    assert "track.uri resolves to /tmp/ray/mlflow, a directory of this node only" in text, text[-3000:]
+    assert "--set train.storage_path=s3://BUCKET/runs" in text and "MLFLOW_TRACKING_URI" in text
+    assert "epoch 1/" not in text and "Traceback" not in text
+    # A table on the client host only: the job's driver, on the head, says where it looked.
+    hosts.run("client", ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/ray/mine.csv"], check=True)
+    out = submit(hosts, "client-data", "pipelines/train.py", "--config", "configs/digits.yaml",
+                 "--set", "data.source=/tmp/ray/mine.csv")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert (f"data.source '/tmp/ray/mine.csv' does not exist on {hosts['head'].namespace}, the cluster node that "
+            "runs this job's driver (a path on the machine you submitted from is not copied") in text, text[-3000:]
+
+
+# ------------------------------------------------------------------ the lifecycle
+def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
+    # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
+    epochs = 6
+    out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
+                 "train.run_name=across", "--set", f"train.epochs={epochs}", "--set", "train.placement=spread",
+                 wait=False, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    deadline = time.monotonic() + 400
+    while f"epoch 2/{epochs}" not in job_log(hosts, "train-1"):
+        assert time.monotonic() < deadline, job_log(hosts, "train-1")[-3000:]
+        assert f"epoch {epochs}/{epochs}" not in job_log(hosts, "train-1")
+        time.sleep(0.2)
+    killed = hosts.kill_host("worker1")  # every process of the host at once, mid-run
+    assert killed
+    hosts.replace_host("worker1")  # a fresh machine in its place, as the autoscaler would launch
+    status = wait_for_job(hosts, "train-1")
+    log = job_log(hosts, "train-1")
+    assert status == "SUCCEEDED", log[-4000:]
+    # Both worker hosts held a rank; after the loss the run resumed from its last checkpoint.
+    ranks = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
     assert ranks == {hosts["worker1"].address, hosts["worker2"].address}, ranks
-    run_dir = Path(runs) / "across"
-    assert (run_dir / "bundle" / "model.safetensors").is_file()
-    assert len(list(run_dir.glob("checkpoint_epoch000*"))) == 2
+    resumed = re.findall(r"resumed from epoch (\d+), step (\d+)", log)
+    assert resumed, log[-4000:]
+    run_dir = Path(hosts.shared) / "runs" / "across"
+    history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
+    assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
+    steps = [m["global_step"] for m in history]
+    assert steps == sorted(set(steps)) and steps[int(resumed[0][0])] > int(resumed[0][1])  # the counter went on
+    # One MLflow run on the head's server, artifacts through the server, one registered version.
+    reg = registry(hosts)
+    assert [(r["name"], r["status"]) for r in reg["runs"]] == [("across", "FINISHED")], reg
+    assert reg["runs"][0]["artifact_uri"].startswith("mlflow-artifacts:"), reg
+    assert reg["runs"][0]["epochs"] == epochs, reg
+    assert reg["versions"] == [1] and reg["aliases"] == {"candidate": "1", "champion": "1"}, reg
+    stored = list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("model.safetensors"))
+    assert stored, "the server stored no bundle on the head"
+
+
+def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts):
+    out = submit(hosts, "deploy-1", "pipelines/deploy.py", "--config", "configs/digits.yaml",
+                 "--set", "serve.host=0.0.0.0", "--set", "serve.autoscaling.min_replicas=2",
+                 "--set", "serve.autoscaling.max_replicas=2", "--set", "serve.health_check_period_s=2")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    url = f"http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits"
+    assert sorted(replica_hosts(hosts)) == sorted([hosts["worker1"].address, hosts["worker2"].address])
+    # Steady load from the client host at the head's address while a replica's host dies.
+    result = Path(hosts.shared) / "load.json"
+    load = hosts.spawn("client", ["python", str(ROOT / "tests" / "integration" / "_load.py"), f"{url}/predict",
+                                  "--seconds", "40", "--concurrency", "4", "--out", str(result)],
+                       Path(hosts.shared) / "load.log")
+    time.sleep(10)
+    killed_at = time.time()
+    hosts.kill_host("worker2")
+    time.sleep(5)
+    hosts.replace_host("worker2")
+    assert load.wait(timeout=120) == 0, (Path(hosts.shared) / "load.log").read_text()[-3000:]
+    requests_ = json.loads(result.read_text())
+    failed = [r for r in requests_ if r[2] != 200]
+    counts = {"requests": len(requests_), "failed": len(failed),
+              "ok_before": sum(1 for r in requests_ if r[2] == 200 and r[1] < killed_at),
+              "ok_after": sum(1 for r in requests_ if r[2] == 200 and r[0] > killed_at),
+              "failed_statuses": sorted({r[2] for r in failed}),
+              "failed_started_before_kill": sum(1 for r in failed if r[0] <= killed_at)}
+    print(f"serving through the loss of a worker host: {counts}")
+    assert counts["ok_before"] > 0 and counts["ok_after"] > 0, counts
+    # Only requests in flight on the dead host may fail: at most one per client thread.
+    assert counts["failed"] <= 4, counts
+    # The lost replica comes back on the fresh host.
+    deadline = time.monotonic() + 120
+    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
+        assert time.monotonic() < deadline, replica_hosts(hosts)
+        time.sleep(2)
 
 
 def test_down_leaves_nothing_behind(hosts):
@@ -103,5 +251,6 @@ def test_down_leaves_nothing_behind(hosts):
     assert PREFIX not in names
     assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
     assert not Path(hosts.shared).exists() and not hosts.state_file.exists() and not hosts.hosts_file.exists()
+    assert not hosts.home("head").exists()
     alive = subprocess.run(["pgrep", "-f", f"{hosts.head_address}:"], capture_output=True, text=True).stdout.split()
     assert alive == [], f"processes of the hosts still running: {alive}"

@@ -55,8 +55,8 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
         info = fs.get_file_info(base)
         if info.type == pafs.FileType.NotFound:
             raise DataError(
-                f"data.source {source!r} does not exist; point `--set data.source=...` at a Parquet/CSV "
-                f"file, a directory of them, or a glob, or use a built-in sample ({', '.join(BUILTIN_SOURCES)})"
+                f"data.source {source!r} does not exist{_where_this_runs()}; point `--set data.source=...` at a "
+                f"Parquet/CSV file, a directory of them, or a glob, or use a built-in sample ({', '.join(BUILTIN_SOURCES)})"
             )
         if info.type == pafs.FileType.Directory:
             paths = sorted(
@@ -69,6 +69,17 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
         else:
             paths = [base]
     return ResolvedSource(source, paths, fs, _decide_format(source, paths, fmt))
+
+
+def _where_this_runs() -> str:
+    """For a job submitted to a cluster (`ray job submit`), where its driver looks for local paths."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set by Ray for a submitted job's driver
+        return ""
+    import socket
+
+    return (f" on {socket.gethostname()}, the cluster node that runs this job's driver (a path on the machine "
+            "you submitted from is not copied unless it lies inside --working-dir: put the data in shared "
+            "storage, e.g. s3://..., or in the working directory)")
 
 
 def filesystem_for(location: str, field: str = "data.source") -> tuple[pafs.FileSystem, str]:

@@ -8,6 +8,7 @@ Schema (`flotilla config --schema`). Error messages name fields as the user writ
 from __future__ import annotations
 
 import copy
+import os
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -19,6 +20,9 @@ from flotilla.spec._messages import describe, divisor_near
 from flotilla.spec._paths import set_path
 from flotilla.spec._serve import ServeSpec
 from flotilla.spec._tune import TuneSpec
+
+# The cluster-wide default for `train.storage_path` (cluster.yaml sets it on every node).
+STORAGE_ENV = "FLOTILLA_STORAGE_PATH"
 
 
 # --------------------------------------------------------------------------- data
@@ -172,7 +176,10 @@ class TrainSpec(_Section):
         "null makes a new name from the spec name and the time.",
     )
     storage_path: str = Field(
-        "runs", description="Where checkpoints and the bundle go: a local directory or a pyarrow URI."
+        default_factory=lambda: os.environ.get(STORAGE_ENV) or "runs",
+        description="Where checkpoints and the bundle go: a local directory or a pyarrow URI (`s3://...`). "
+        f"Left out, ${STORAGE_ENV} if set (a cluster sets it for every job), else `runs`. On a cluster of more than one node it must be storage "
+        "that every node sees (checked before training).",
     )
     checkpoints_to_keep: int = Field(
         2, ge=1, description="Checkpoints kept per run; more than one lets a torn latest fall back to the one before."

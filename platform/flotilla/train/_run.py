@@ -17,7 +17,14 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from flotilla.bundle import read_bundle_metrics
-from flotilla.cluster import ResourceUse, prices_for, resource_use, wait_for_room
+from flotilla.cluster import (
+    ResourceUse,
+    check_storage_reaches_every_node,
+    local_storage,
+    prices_for,
+    resource_use,
+    wait_for_room,
+)
 from flotilla.data import filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError, summarize
 from flotilla.models import build_model
@@ -70,11 +77,13 @@ def check_cluster_fits(spec: RunSpec) -> None:
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
-def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: dict[str, str] | None = None) -> TrainingOutcome:
+def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: dict[str, str] | None = None,
+                 check_storage: bool = True) -> TrainingOutcome:
     """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
 
     `callbacks` are extra Ray Train `UserCallback`s (a Tune trial passes Tune's report callback);
-    `tracking_tags` are set on the run's MLflow run (a sweep links trials to its parent run).
+    `tracking_tags` are set on the run's MLflow run (a sweep links trials to its parent run);
+    `check_storage=False` skips the check that every node sees the run's storage (a sweep checks once).
     """
     started = time.monotonic()
     t = spec.train
@@ -85,6 +94,8 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
     tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
     check_cluster_fits(spec)
+    if check_storage:
+        check_storage_reaches_every_node(local_storage(t.storage_path, tracker.uri if tracker else None))
 
     prepared = prepare_data(spec)
     print(

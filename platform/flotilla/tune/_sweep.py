@@ -24,7 +24,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import BasicVariantGenerator
 
-from flotilla.cluster import ResourceUse
+from flotilla.cluster import ResourceUse, check_storage_reaches_every_node, local_storage
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.data import filesystem_for, prepare_data, resolve_task
 from flotilla.metrics import mode_of, primary_metric
@@ -107,6 +107,7 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
         check_tracking_uri(uri)
     ensure_ray(largest_trial(spec))
     check_cluster_fits(largest_trial(spec))  # a trial that can never be placed is refused now
+    check_storage_reaches_every_node(local_storage(spec.train.storage_path, uri))  # once here, not per trial
     slots = t.max_concurrent_trials or concurrent_slots(spec, ray.cluster_resources(), DATA_CPUS)
 
     parent = _ParentRun(spec, name, uri) if uri else None
@@ -183,7 +184,7 @@ def _trial(config: dict[str, Any], base: dict, sweep: str, runs_storage: str, tr
     tags = {SWEEP_TAG: sweep, TRIAL_TAG: trial_id}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    run_training(spec, callbacks=[TuneReportCallback()], tracking_tags=tags)
+    run_training(spec, callbacks=[TuneReportCallback()], tracking_tags=tags, check_storage=False)
 
 
 def _searcher(t, metric: str, mode: str, slots: int):
