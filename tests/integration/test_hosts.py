@@ -62,7 +62,9 @@ def submit(hosts, job_id: str, script: str, *args: str, wait: bool = True, timeo
 
 def job_log(hosts, job_id: str) -> str:
     """The job driver's log, read straight from the head's own session directory."""
-    path = Path(f"/proc/{hosts['head'].holder_pid}/root/tmp/ray/session_latest/logs/job-driver-{job_id}.log")
+    root = Path(f"/proc/{hosts['head'].holder_pid}/root")
+    session = os.readlink(root / "tmp/ray/session_latest")  # absolute on the head: resolve it under its root
+    path = root / session.lstrip("/") / "logs" / f"job-driver-{job_id}.log"
     return path.read_text(errors="replace") if path.exists() else ""
 
 
@@ -172,7 +174,7 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts):
 # ------------------------------------------------------------------ the lifecycle
 def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
-    epochs = 6
+    epochs = 20  # ~0.5 s each here: room to lose a host mid-run
     out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
                  "train.run_name=across", "--set", f"train.epochs={epochs}", "--set", "train.placement=spread",
                  wait=False, timeout=120)
@@ -208,10 +210,27 @@ def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     assert stored, "the server stored no bundle on the head"
 
 
+def test_a_sweep_from_the_client_spreads_its_trials_over_both_worker_hosts(hosts):
+    out = submit(hosts, "sweep-1", "tune/sweep.py", "--config", "configs/digits_sweep.yaml",
+                 "--set", "tune.num_samples=2", "--set", "train.epochs=2", "--set", "tune.name=across-sweep")
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    trial_hosts = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
+    assert trial_hosts == {hosts["worker1"].address, hosts["worker2"].address}, trial_hosts
+    reg = registry(hosts)
+    parents = [r for r in reg["runs"] if r["name"] == "across-sweep"]
+    children = [r for r in reg["runs"] if parents and r["parent"] and r["name"].startswith("across-sweep-")]
+    assert len(parents) == 1 and len(children) == 2, reg["runs"]
+    assert reg["versions"] == [1, 2], reg  # the sweep's best trial, registered from shared storage
+    assert (Path(hosts.shared) / "runs" / "across-sweep-runs").is_dir()
+
+
 def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts):
+    # 1.5 CPUs a replica: one per 2-CPU worker host, so a lost replica can only come back on a new host.
     out = submit(hosts, "deploy-1", "pipelines/deploy.py", "--config", "configs/digits.yaml",
                  "--set", "serve.host=0.0.0.0", "--set", "serve.autoscaling.min_replicas=2",
-                 "--set", "serve.autoscaling.max_replicas=2", "--set", "serve.health_check_period_s=2")
+                 "--set", "serve.autoscaling.max_replicas=2", "--set", "serve.replica.num_cpus=1.5",
+                 "--set", "serve.health_check_period_s=2")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     url = f"http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits"
     assert sorted(replica_hosts(hosts)) == sorted([hosts["worker1"].address, hosts["worker2"].address])
@@ -242,6 +261,27 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
     while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
         assert time.monotonic() < deadline, replica_hosts(hosts)
         time.sleep(2)
+
+
+def test_promote_then_one_command_rolls_the_endpoint_to_the_new_champion(hosts):
+    url = f"http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits/predict"
+    out = submit(hosts, "promote-2", "pipelines/promote.py", "--config", "configs/digits.yaml", "--version", "2")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert registry(hosts)["aliases"]["champion"] == "2"
+    # The roll: the same deploy command again (it resolves `champion` anew and updates the app in place).
+    out = submit(hosts, "deploy-2", "pipelines/deploy.py", "--config", "configs/digits.yaml",
+                 "--set", "serve.host=0.0.0.0", "--set", "serve.autoscaling.min_replicas=2",
+                 "--set", "serve.autoscaling.max_replicas=2", "--set", "serve.replica.num_cpus=1.5")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    answered = on_client(hosts, f"""
+import json, time, requests
+seen = set()
+for _ in range(20):
+    r = requests.post({url!r}, json={{"instances": [[0.0] * 64]}}, timeout=30)
+    seen.add((r.status_code, r.headers.get("X-Model-Version")))
+print(json.dumps(sorted(seen)))
+""")
+    assert answered == [[200, "2"]], answered
 
 
 def test_down_leaves_nothing_behind(hosts):
