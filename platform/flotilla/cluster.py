@@ -136,8 +136,8 @@ def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
         if _JOB_DIR_MARK in directory + "/":
             problems.append(f"{field} resolves to {directory}, inside this job's unpacked --working-dir, which Ray "
                             f"deletes when the job ends; use {_STORAGE_FIX[field]}")
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if not problems and len(nodes) > 1:
+    nodes = [n for n in ray.nodes() if n.get("Alive")] if paths and not problems else []
+    if len(nodes) > 1:
         for field, directory in paths.items():
             blind = _nodes_not_seeing(directory, nodes)
             if blind:

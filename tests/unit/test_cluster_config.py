@@ -140,3 +140,15 @@ def test_setup_installs_the_pinned_dependencies(cluster):
     assert "--index-url https://download.pytorch.org/whl/cpu" in setup
     assert "-c ~/flotilla/requirements.lock" in setup and "pyproject.toml" in setup
     assert set(cluster["rsync_exclude"]) >= {".venv", "runs", "mlruns", ".git"}
+
+
+def test_every_node_gets_the_clusters_tracking_server_and_storage(cluster):
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert "MLFLOW_TRACKING_URI=http://" in start and ":5000" in start, key
+        assert "FLOTILLA_STORAGE_PATH=s3://BUCKET/" in start, key
+    (server,) = [c for c in cluster["head_start_ray_commands"] if "mlflow server" in c]
+    assert "--host $(hostname -I | cut -d' ' -f1) --port 5000" in server  # the private address, not all interfaces
+    assert "--artifacts-destination" in server and "--backend-store-uri sqlite:///" in server
+    assert cluster["head_start_ray_commands"].index(server) < cluster["head_start_ray_commands"].index(
+        next(c for c in cluster["head_start_ray_commands"] if "ray start" in c))
