@@ -195,6 +195,8 @@ def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     assert ranks == {hosts["worker1"].address, hosts["worker2"].address}, ranks
     resumed = re.findall(r"resumed from epoch (\d+), step (\d+)", log)
     assert resumed, log[-4000:]
+    print(f"training lost worker1 ({len(killed)} processes killed) after epoch 2; resumed from epoch "
+          f"{resumed[0][0]}, step {resumed[0][1]}")
     run_dir = Path(hosts.shared) / "runs" / "across"
     history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
     assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
@@ -233,6 +235,7 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
                  "--set", "serve.health_check_period_s=2")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     url = f"http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits"
+    assert f"serving classifier digits at {url}" in out.stdout, out.stdout[-3000:]
     assert sorted(replica_hosts(hosts)) == sorted([hosts["worker1"].address, hosts["worker2"].address])
     # Steady load from the client host at the head's address while a replica's host dies.
     result = Path(hosts.shared) / "load.json"

@@ -170,6 +170,7 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     A running app with the same name is updated: a new split is a `user_config` change that the
     replicas apply without restarting, and requests in flight finish on the old split.
     """
+    import ray.util
     from ray import serve
 
     from flotilla.runtime import ensure_ray, started_local_ray
@@ -197,7 +198,8 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     host, port = actual or (s.host, s.port)
     name = app_name or plan.model
     serve.run(build_application(plan), name=name, route_prefix=plan.route_prefix, blocking=False)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    # All interfaces: show this node's cluster address (127.0.0.1 on a laptop's local Ray).
+    shown = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
     return Endpoint(plan, f"http://{shown}:{port}{plan.route_prefix}", name, notes)
 
 
