@@ -44,7 +44,11 @@ BIN = Path(sys.executable).parent
 SUBNET = "10.231.0"
 # What a node image does not have: the checkout's source (present on the client only).
 SOURCE_DIRS = ("platform", "pipelines", "tune", "configs", "serve_apps", "tests", "ops", "benchmarks")
-DASHBOARD_PORT, GCS_PORT, MLFLOW_PORT = 8265, 6379, 5000
+DASHBOARD_PORT, GCS_PORT, MLFLOW_PORT, S3_PORT = 8265, 6379, 5000, 9000
+# The S3 endpoint on the head (moto): the bucket that stands in for cluster.yaml's s3://BUCKET, and
+# the credentials every host is given for it (moto accepts any; nothing real).
+S3_BUCKET = "flotilla"
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local-hosts", "AWS_SECRET_ACCESS_KEY": "local-hosts", "AWS_DEFAULT_REGION": "us-east-1"}
 CLUSTER_YAML = ROOT / "cluster.yaml"
 
 
@@ -62,6 +66,7 @@ class Hosts:
     workers: int = 2
     worker_cpus: int = 2
     shared: str = ""
+    s3: bool = True  # an S3 endpoint on the head (moto) for s3:// paths; cluster.yaml's BUCKET is its bucket
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     hosts: list[Host] = field(default_factory=list)
 
@@ -101,10 +106,13 @@ class Hosts:
     # ------------------------------------------------------------------ running things on a host
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """What every host's processes get: the venv first on PATH (jobs run `python` from the
-        raylet's PATH), token auth with the cluster's token, and no address of another cluster."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        raylet's PATH), token auth with the cluster's token, and nothing of this machine's Ray, MLflow
+        or Flotilla settings (the cluster's own come from cluster.yaml's start commands)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "FLOTILLA_"))}
         env.update(PATH=f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}", RAY_AUTH_MODE="token",
                    RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        if self.s3:  # what an instance profile gives a cloud node: pyarrow, Ray and MLflow all read these
+            env.update(S3_CREDENTIALS, AWS_ENDPOINT_URL=self.s3_endpoint)
         env.update(extra or {})
         return env
 
@@ -200,7 +208,7 @@ class Hosts:
         for command in commands:
             if command.strip() == "ray stop":
                 continue
-            command = command.replace("s3://BUCKET/flotilla/runs", f"{self.shared}/runs")
+            command = command.replace("s3://BUCKET/", f"s3://{S3_BUCKET}/" if self.s3 else f"{self.shared}/")
             if "ray start" in command:
                 command = (command.replace("--dashboard-host=127.0.0.1", f"--dashboard-host={self.head_address}")
                            .replace(" --autoscaling-config=~/ray_bootstrap_config.yaml", "")
@@ -219,9 +227,25 @@ class Hosts:
             if done.returncode != 0:
                 raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
 
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://{self.head_address}:{S3_PORT}"
+
+    def start_s3(self, timeout_s: float = 60) -> None:
+        """moto's S3 server on the head, with the bucket that cluster.yaml's s3://BUCKET stands for."""
+        home = self.home("head")
+        home.mkdir(parents=True, exist_ok=True)
+        self.spawn("head", ["moto_server", "-H", self.head_address, "-p", str(S3_PORT)], home / "moto.log")
+        make_bucket = ("import pyarrow.fs as fs; "
+                       f"fs.S3FileSystem(allow_bucket_creation=True).create_dir({S3_BUCKET!r})")
+        self._wait(lambda: self.run("client", ["python", "-c", make_bucket], timeout=60).returncode == 0,
+                   timeout_s, "the S3 endpoint", home / "moto.log")
+
     def start_ray(self, timeout_s: float = 180) -> None:
         """The cluster as cluster.yaml starts it: the head (MLflow server, Ray with CPU 0, the jobs API
-        on its link address), then the workers."""
+        on its link address), then the workers. First the S3 endpoint, a cloud service of its own."""
+        if self.s3:
+            self.start_s3()
         self.start_node("head")
         self._wait(lambda: self.run("client", ["ray", "job", "list", "--address", self.jobs_address],
                                     timeout=60).returncode == 0, timeout_s, "the head's jobs API",
@@ -353,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-cpus", type=int, default=2)
     parser.add_argument("--shared", default="", help="the shared storage directory (default: /var/tmp/PREFIX-shared)")
+    parser.add_argument("--no-s3", action="store_true",
+                        help="no S3 endpoint: cluster.yaml's s3://BUCKET/ becomes the shared directory")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_intermixed_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -362,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             print(f"cannot build hosts here: {reason}", file=sys.stderr)
             return 2
-        hosts = Hosts(args.prefix, args.workers, args.worker_cpus, args.shared)
+        hosts = Hosts(args.prefix, args.workers, args.worker_cpus, args.shared, s3=not args.no_s3)
         hosts.up()
         for h in hosts.hosts:
             print(f"{h.name:8} {h.address:14} namespace {h.namespace}")
         print(f"jobs API and dashboard: {hosts.jobs_address}   MLflow: {hosts.tracking_uri}   shared storage: {hosts.shared}")
+        if hosts.s3:
+            print(f"S3 endpoint: {hosts.s3_endpoint}, bucket {S3_BUCKET} (FLOTILLA_STORAGE_PATH=s3://{S3_BUCKET}/flotilla/runs)")
         print(f"run on a host:  {sys.argv[0]} exec client -- ray status --address {hosts.head_address}:{GCS_PORT}")
         print(f"stop:           {sys.argv[0]} down")
         return 0

@@ -1,12 +1,12 @@
-"""A cluster of hosts that share nothing but a network and a storage directory (ops/local_hosts.py):
-a head with CPU 0, two worker hosts without the project's source, and a client host that submits.
+"""A cluster of hosts that share nothing but a network and storage (ops/local_hosts.py): a head
+with CPU 0, two worker hosts without the project's source, and a client host that submits.
 
 Each host is a network namespace and a mount namespace of its own; the module builds them, starts
 them with cluster.yaml's own start commands (the head's MLflow server, Ray, the cluster-wide
-MLFLOW_TRACKING_URI and FLOTILLA_STORAGE_PATH), runs the lifecycle from the client host — train,
-sweep, deploy, promote and roll — kills a worker host during training and another while serving,
-and removes everything. Skipped, with the kernel's reason, where namespaces cannot be made.
-"""
+MLFLOW_TRACKING_URI and FLOTILLA_STORAGE_PATH, here a bucket on moto's S3 server on the head), runs
+the lifecycle from the client host (train, sweep, deploy, promote and roll), kills a worker host
+during training and another while serving, and removes everything. Skipped, with the kernel's
+reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def wait_for_job(hosts, job_id: str, timeout: float = 600) -> str:
     """Block until the job ends; its final status (SUCCEEDED, FAILED, ...)."""
     hosts.run("client", ["ray", "job", "logs", "--address", hosts.jobs_address, "--follow", job_id], timeout=timeout)
     out = hosts.run("client", ["ray", "job", "status", "--address", hosts.jobs_address, job_id], timeout=60)
-    found = re.search(r"status: (\w+)", out.stdout) or re.search(r"Job '\S+' (\w+)", out.stdout)
-    return found.group(1).upper() if found else out.stdout + out.stderr
+    found = re.search(rf"Job '{job_id}' (succeeded|failed|was stopped)|Status for job '{job_id}': (\w+)",
+                      out.stdout + out.stderr)
+    return (found.group(1) or found.group(2)).upper().replace("WAS ", "") if found else out.stdout + out.stderr
 
 
 def on_client(hosts, code: str, timeout: float = 120):
@@ -153,20 +154,21 @@ def test_hosts_share_only_the_network_and_the_storage(hosts):
 
 def test_storage_that_one_node_sees_is_refused_before_training(hosts):
     # /tmp/ray is each host's own: a job that would checkpoint or track there is refused, naming both.
-    out = submit(hosts, "local-storage", "pipelines/train.py", "--config", "configs/digits.yaml",
-                 "--set", "train.storage_path=/tmp/ray/runs", "--set", "track.uri=sqlite:////tmp/ray/mlflow/mlflow.db")
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text[-3000:]
+    # And a table on the client host only: the job's driver, on the head, says where it looked.
+    hosts.run("client", ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/ray/mine.csv"], check=True)
+    for job, args in {"local-storage": ["train.storage_path=/tmp/ray/runs", "track.uri=sqlite:////tmp/ray/mlflow/mlflow.db"],
+                      "client-data": ["data.source=/tmp/ray/mine.csv"]}.items():
+        overrides = [x for a in args for x in ("--set", a)]
+        out = submit(hosts, job, "pipelines/train.py", "--config", "configs/digits.yaml", *overrides, wait=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert wait_for_job(hosts, "local-storage") == "FAILED"
+    text = job_log(hosts, "local-storage")
     assert "train.storage_path resolves to /tmp/ray/runs, a directory of this node only" in text, text[-3000:]
     assert "track.uri resolves to /tmp/ray/mlflow, a directory of this node only" in text, text[-3000:]
     assert "--set train.storage_path=s3://BUCKET/runs" in text and "MLFLOW_TRACKING_URI" in text
     assert "epoch 1/" not in text and "Traceback" not in text
-    # A table on the client host only: the job's driver, on the head, says where it looked.
-    hosts.run("client", ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/ray/mine.csv"], check=True)
-    out = submit(hosts, "client-data", "pipelines/train.py", "--config", "configs/digits.yaml",
-                 "--set", "data.source=/tmp/ray/mine.csv")
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    assert wait_for_job(hosts, "client-data") == "FAILED"
+    text = job_log(hosts, "client-data")
     assert (f"data.source '/tmp/ray/mine.csv' does not exist on {hosts['head'].namespace}, the cluster node that "
             "runs this job's driver (a path on the machine you submitted from is not copied") in text, text[-3000:]
 
@@ -197,8 +199,17 @@ def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     assert resumed, log[-4000:]
     print(f"training lost worker1 ({len(killed)} processes killed) after epoch 2; resumed from epoch "
           f"{resumed[0][0]}, step {resumed[0][1]}")
-    run_dir = Path(hosts.shared) / "runs" / "across"
-    history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
+    # Checkpoints and bundle in S3 (cluster.yaml's FLOTILLA_STORAGE_PATH; moto on the head here).
+    stored = on_client(hosts, f"""
+import json, pyarrow.fs as fs
+s3 = fs.S3FileSystem()
+run = "{local_hosts.S3_BUCKET}/flotilla/runs/across"
+names = sorted(i.base_name for i in s3.get_file_info(fs.FileSelector(run)))
+with s3.open_input_stream(run + "/bundle/metrics.json") as f:
+    print(json.dumps({{"names": names, "metrics": json.loads(f.read())}}))
+""")
+    assert "bundle" in stored["names"] and any(n.startswith("checkpoint_epoch") for n in stored["names"]), stored["names"]
+    history = stored["metrics"]["history"]
     assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
     steps = [m["global_step"] for m in history]
     assert steps == sorted(set(steps)) and steps[int(resumed[0][0])] > int(resumed[0][1])  # the counter went on
@@ -208,13 +219,15 @@ def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     assert reg["runs"][0]["artifact_uri"].startswith("mlflow-artifacts:"), reg
     assert reg["runs"][0]["epochs"] == epochs, reg
     assert reg["versions"] == [1] and reg["aliases"] == {"candidate": "1", "champion": "1"}, reg
-    stored = list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("model.safetensors"))
-    assert stored, "the server stored no bundle on the head"
+    assert list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("model.safetensors")), \
+        "the server stored no bundle on the head"
 
 
 def test_a_sweep_from_the_client_spreads_its_trials_over_both_worker_hosts(hosts):
+    # This one keeps its runs in the shared directory (the NFS/EFS stand-in) instead of S3.
     out = submit(hosts, "sweep-1", "tune/sweep.py", "--config", "configs/digits_sweep.yaml",
-                 "--set", "tune.num_samples=2", "--set", "train.epochs=2", "--set", "tune.name=across-sweep")
+                 "--set", "tune.num_samples=2", "--set", "train.epochs=2", "--set", "tune.name=across-sweep",
+                 "--set", f"train.storage_path={hosts.shared}/runs")
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     trial_hosts = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
@@ -240,9 +253,9 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
     # Steady load from the client host at the head's address while a replica's host dies.
     result = Path(hosts.shared) / "load.json"
     load = hosts.spawn("client", ["python", str(ROOT / "tests" / "integration" / "_load.py"), f"{url}/predict",
-                                  "--seconds", "40", "--concurrency", "4", "--out", str(result)],
+                                  "--seconds", "25", "--concurrency", "4", "--out", str(result)],
                        Path(hosts.shared) / "load.log")
-    time.sleep(10)
+    time.sleep(8)
     killed_at = time.time()
     hosts.kill_host("worker2")
     time.sleep(5)
