@@ -236,8 +236,10 @@ class Hosts:
         home = self.home("head")
         home.mkdir(parents=True, exist_ok=True)
         self.spawn("head", ["moto_server", "-H", self.head_address, "-p", str(S3_PORT)], home / "moto.log")
+        # (pyarrow's URIs read AWS_ENDPOINT_URL from the environment; its S3FileSystem() does not.)
         make_bucket = ("import pyarrow.fs as fs; "
-                       f"fs.S3FileSystem(allow_bucket_creation=True).create_dir({S3_BUCKET!r})")
+                       f"fs.S3FileSystem(endpoint_override={self.s3_endpoint!r}, allow_bucket_creation=True)"
+                       f".create_dir({S3_BUCKET!r})")
         self._wait(lambda: self.run("client", ["python", "-c", make_bucket], timeout=60).returncode == 0,
                    timeout_s, "the S3 endpoint", home / "moto.log")
 

@@ -202,8 +202,7 @@ def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     # Checkpoints and bundle in S3 (cluster.yaml's FLOTILLA_STORAGE_PATH; moto on the head here).
     stored = on_client(hosts, f"""
 import json, pyarrow.fs as fs
-s3 = fs.S3FileSystem()
-run = "{local_hosts.S3_BUCKET}/flotilla/runs/across"
+s3, run = fs.FileSystem.from_uri("s3://{local_hosts.S3_BUCKET}/flotilla/runs/across")  # the endpoint: AWS_ENDPOINT_URL
 names = sorted(i.base_name for i in s3.get_file_info(fs.FileSelector(run)))
 with s3.open_input_stream(run + "/bundle/metrics.json") as f:
     print(json.dumps({{"names": names, "metrics": json.loads(f.read())}}))
@@ -308,5 +307,6 @@ def test_down_leaves_nothing_behind(hosts):
     assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
     assert not Path(hosts.shared).exists() and not hosts.state_file.exists() and not hosts.hosts_file.exists()
     assert not hosts.home("head").exists()
-    alive = subprocess.run(["pgrep", "-f", f"{hosts.head_address}:"], capture_output=True, text=True).stdout.split()
+    alive = subprocess.run(["pgrep", "-f", local_hosts.SUBNET.replace(".", r"\.") + r"\."],
+                           capture_output=True, text=True).stdout.split()
     assert alive == [], f"processes of the hosts still running: {alive}"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.utils import logger as ds_logger
 from deepspeed.utils import safe_get_full_fp32_param
+from ray.train.v2._internal.execution import context as _train_context
 
 from flotilla.bundle import write_bundle
 from flotilla.metrics import TASKS, primary_metric
@@ -51,6 +52,10 @@ class _SchedulerStartNotice(logging.Filter):
 
 
 ds_logger.addFilter(_SchedulerStartNotice())
+# Ray Train logs every report at INFO ("Reporting training result N: TrainingReport(...)", one long
+# line per rank per epoch) on a logger named after its source file, outside `ray.train`, so the
+# run's LoggingConfig(log_level="WARNING") does not reach it. Flotilla prints its own epoch lines.
+logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 # Within an epoch, rank 0 prints a progress line at most this often.
 PROGRESS_EVERY_S = 10.0
 
