@@ -48,7 +48,8 @@ DASHBOARD_PORT, GCS_PORT, MLFLOW_PORT, S3_PORT = 8265, 6379, 5000, 9000
 # The S3 endpoint on the head (moto): the bucket that stands in for cluster.yaml's s3://BUCKET, and
 # the credentials every host is given for it (moto accepts any; nothing real).
 S3_BUCKET = "flotilla"
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local-hosts", "AWS_SECRET_ACCESS_KEY": "local-hosts", "AWS_DEFAULT_REGION": "us-east-1"}
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local-hosts", "AWS_SECRET_ACCESS_KEY": "local-hosts",
+                  "AWS_DEFAULT_REGION": "us-east-1"}
 CLUSTER_YAML = ROOT / "cluster.yaml"
 
 
@@ -225,7 +226,8 @@ class Hosts:
         for command in self.start_commands(host):
             done = self.run(host, ["bash", "-c", command], env=env, timeout=300)
             if done.returncode != 0:
-                raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
+                raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}): "
+                                   f"{(done.stdout + done.stderr)[-3000:]}")
 
     @property
     def s3_endpoint(self) -> str:
@@ -255,11 +257,11 @@ class Hosts:
         for host in self.hosts:
             if host.name.startswith("worker"):
                 self.start_node(host.name)
-        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes", Path("/tmp/ray"))
-        self._wait(lambda: self.run("client", ["python", "-c", "import sys, urllib.request; sys.exit("
-                                               f"urllib.request.urlopen({self.tracking_uri + '/health'!r}, timeout=5).status != 200)"],
-                                    timeout=60).returncode == 0, timeout_s, "the head's MLflow server",
-                   self.home("head") / "flotilla" / "mlflow" / "server.log")
+        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes",
+                   Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
+        health = f"import urllib.request; urllib.request.urlopen({self.tracking_uri + '/health'!r}, timeout=5)"
+        self._wait(lambda: self.run("client", ["python", "-c", health], timeout=60).returncode == 0, timeout_s,
+                   "the head's MLflow server", self.home("head") / "flotilla" / "mlflow" / "server.log")
 
     @property
     def tracking_uri(self) -> str:
@@ -394,9 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         hosts.up()
         for h in hosts.hosts:
             print(f"{h.name:8} {h.address:14} namespace {h.namespace}")
-        print(f"jobs API and dashboard: {hosts.jobs_address}   MLflow: {hosts.tracking_uri}   shared storage: {hosts.shared}")
+        print(f"jobs API and dashboard: {hosts.jobs_address}   MLflow: {hosts.tracking_uri}   "
+              f"shared storage: {hosts.shared}")
         if hosts.s3:
-            print(f"S3 endpoint: {hosts.s3_endpoint}, bucket {S3_BUCKET} (FLOTILLA_STORAGE_PATH=s3://{S3_BUCKET}/flotilla/runs)")
+            print(f"S3 endpoint: {hosts.s3_endpoint}, bucket {S3_BUCKET} "
+                  f"(FLOTILLA_STORAGE_PATH=s3://{S3_BUCKET}/flotilla/runs)")
         print(f"run on a host:  {sys.argv[0]} exec client -- ray status --address {hosts.head_address}:{GCS_PORT}")
         print(f"stop:           {sys.argv[0]} down")
         return 0

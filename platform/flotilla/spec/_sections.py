@@ -178,8 +178,8 @@ class TrainSpec(_Section):
     storage_path: str = Field(
         default_factory=lambda: os.environ.get(STORAGE_ENV) or "runs",
         description="Where checkpoints and the bundle go: a local directory or a pyarrow URI (`s3://...`). "
-        f"Left out, ${STORAGE_ENV} if set (a cluster sets it for every job), else `runs`. On a cluster of more than one node it must be storage "
-        "that every node sees (checked before training).",
+        f"Left out, ${STORAGE_ENV} if set (a cluster sets it for every job), else `runs`. On a cluster of "
+        "more than one node it must be storage that every node sees (checked before training).",
     )
     checkpoints_to_keep: int = Field(
         2, ge=1, description="Checkpoints kept per run; more than one lets a torn latest fall back to the one before."
