@@ -16,7 +16,8 @@ Needs root (Linux network and mount namespaces). Each host is
 Each host starts from cluster.yaml's own start commands (`start_commands` says what is substituted):
 the head runs the MLflow server and Ray with `CPU: 0`, each worker Ray with `--worker-cpus`, and
 every node's `ray start` exports MLFLOW_TRACKING_URI (the head's server) and FLOTILLA_STORAGE_PATH
-(the shared directory's `runs`). One token (RAY_AUTH_TOKEN) is handed to every host, the way
+(cluster.yaml's s3://BUCKET/..., here a bucket on moto's S3 server on the head; with --no-s3, the
+shared directory). One token (RAY_AUTH_TOKEN) is handed to every host, the way
 cluster.yaml's file_mounts hand out ~/.ray/auth_token. The shared directory (`--shared`, default
 /var/tmp/PREFIX-shared) has the same path on every host: a stand-in for NFS/EFS. Each host has a
 home of its own (/var/tmp/PREFIX-home-HOST: `~` in cluster.yaml's commands).
@@ -294,7 +295,8 @@ class Hosts:
     def replace_host(self, name: str) -> None:
         """A fresh machine in place of a dead worker host (as an autoscaler would launch one): an empty
         Ray session directory and home, then cluster.yaml's start commands."""
-        self.run(name, ["sh", "-c", "umount -l /tmp/ray; mount -t tmpfs -o size=2g,mode=1777 tmpfs /tmp/ray"], check=True)
+        self.run(name, ["sh", "-c", "umount -l /tmp/ray; mount -t tmpfs -o size=2g,mode=1777 tmpfs /tmp/ray"],
+                 check=True)
         shutil.rmtree(self.home(name), ignore_errors=True)
         self.start_node(name)
 

@@ -138,45 +138,53 @@ def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
                             f"deletes when the job ends; use {_STORAGE_FIX[field]}")
     nodes = [n for n in ray.nodes() if n.get("Alive")] if paths and not problems else []
     if len(nodes) > 1:
-        for field, directory in paths.items():
-            blind = _nodes_not_seeing(directory, nodes)
-            if blind:
-                problems.append(
-                    f"{field} resolves to {directory}, a directory of this node only: node(s) {', '.join(blind)} of "
-                    f"this {len(nodes)}-node cluster cannot see it (checkpoints and registered models must be "
-                    f"readable from every node); use {_STORAGE_FIX[field]}")
+        for field, blind in _nodes_not_seeing(paths, nodes).items():
+            problems.append(
+                f"{field} resolves to {paths[field]}, a directory of this node only: node(s) {', '.join(blind)} of "
+                f"this {len(nodes)}-node cluster cannot see it (checkpoints and registered models must be "
+                f"readable from every node); use {_STORAGE_FIX[field]}")
     if problems:
         raise ClusterError("storage this cluster would lose work in:\n  - " + "\n  - ".join(problems))
 
 
-def _nodes_not_seeing(directory: str, nodes: list[dict]) -> list[str]:
-    """Addresses of the nodes on which a marker file written into `directory` here is absent."""
+def _sees(markers: list[str]) -> list[bool]:
     import os
+
+    return [os.path.exists(m) for m in markers]
+
+
+def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict]) -> dict[str, list[str]]:
+    """{field: addresses of the nodes on which a marker file written here into its directory is
+    absent}, for the fields some node cannot see. One zero-CPU probe per node checks every marker."""
     import uuid
     from pathlib import Path
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    marker = Path(directory) / f".flotilla-visible-{uuid.uuid4().hex}"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text("")
-    probe = ray.remote(num_cpus=0, max_retries=0)(os.path.exists)
+    markers = {field: Path(directory) / f".flotilla-visible-{uuid.uuid4().hex}" for field, directory in paths.items()}
     try:
+        for marker in markers.values():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text("")
+        probe = ray.remote(num_cpus=0, max_retries=0)(_sees)
         refs = {n["NodeManagerAddress"]: probe.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(marker))
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                [str(m) for m in markers.values()])
             for n in nodes}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=120)
-        blind = []
-        for address, ref in refs.items():
+        blind: dict[str, list[str]] = {}
+        for address, ref in sorted(refs.items()):
             try:
                 seen = ray.get(ref, timeout=0)
             except Exception:  # a node that could not run the probe in time cannot be relied on either
-                seen = False
-            if not seen:
-                blind.append(address)
-        return sorted(blind)
+                seen = [False] * len(markers)
+            for field, ok in zip(markers, seen):
+                if not ok:
+                    blind.setdefault(field, []).append(address)
+        return blind
     finally:
-        marker.unlink(missing_ok=True)
+        for marker in markers.values():
+            marker.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------ cost

@@ -94,8 +94,7 @@ def test_a_submitted_job_refuses_storage_that_ray_deletes_after_it(head_node):
     submit = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
          "python", "pipelines/train.py", "--config", "configs/digits.yaml"],
-        env=env,
-        capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=300,
     )
     out = submit.stdout + submit.stderr
     assert submit.returncode != 0, out[-3000:]
