@@ -15,6 +15,7 @@ import pytest
 
 from flotilla.spec import load_spec
 from flotilla.track import CANDIDATE
+from flotilla.train import checkpoint_problems
 from flotilla.tune import run_sweep
 
 from ._helpers import ROOT, metric_steps, mlflow_runs, store_uri
@@ -92,14 +93,14 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and first.poll() is None:
             # Kill once Tune has recorded the first trial as finished and the second trial has a
-            # registered epoch-1 checkpoint: one finished trial, one to resume.
+            # complete epoch-1 checkpoint: one finished trial, one to resume.
             states = list((tmp_path / "restorable").glob("experiment_state-*.json"))
             if states and "TERMINATED" in states[0].read_text():
-                snapshots = [p for p in runs_dir.glob("*/checkpoint_manager_snapshot.json")
-                             if "checkpoint_epoch0001" in p.read_text() and not (p.parent / "bundle").exists()]
+                resumable = [run for run in runs_dir.glob("*") if not (run / "bundle").exists()
+                             and any(not checkpoint_problems(str(c)) for c in run.glob("checkpoint_epoch0001_*"))]
                 bundles = list(runs_dir.glob("*/bundle"))
-                if bundles and snapshots:
-                    finished, second_run = bundles[0].parent, snapshots[0].parent
+                if bundles and resumable:
+                    finished, second_run = bundles[0].parent, resumable[0]
                     break
             time.sleep(0.2)
     finally:

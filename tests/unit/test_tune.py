@@ -8,7 +8,8 @@ import pytest
 
 from flotilla.spec import load_spec
 from flotilla.errors import SpecError
-from flotilla.tune import SweepOutcome, TrialRow, concurrent_slots, largest_trial, metric_and_mode, trial_spec, tune_domains
+from flotilla.tune import (SweepOutcome, TrialRow, concurrent_slots, largest_trial, metric_and_mode, trial_resources,
+                           trial_spec, tune_domains)
 
 SWEEP = Path(__file__).parents[2] / "configs" / "digits_sweep.yaml"
 
@@ -73,6 +74,14 @@ def test_the_largest_trial_decides_fit_and_slots():
     assert concurrent_slots(spec, {"CPU": 8}, data_cpus=1) == 2  # (8 - 1) // 3
     assert concurrent_slots(_sweep(), {"CPU": 3}, data_cpus=1) == 2  # 1-worker trials beside Ray Data's CPU
     assert concurrent_slots(_sweep(), {"CPU": 1}, data_cpus=1) == 1  # never below one
+
+
+def test_a_one_worker_trial_reserves_its_worker_and_a_larger_one_leaves_it_to_its_workers():
+    one = trial_spec(_sweep(), {"train.cpus_per_worker": 2})
+    assert trial_resources(one) == {"CPU": 2}  # it trains in its own process
+    assert trial_resources(trial_spec(_sweep(), {"train.gpus_per_worker": 1})) == {"CPU": 1, "GPU": 1}
+    two = trial_spec(_sweep(), {"train.num_workers": 2})
+    assert trial_resources(two)["CPU"] == 0  # its TorchTrainer's workers hold the CPUs
 
 
 def test_metric_and_mode_defaults():

@@ -1,7 +1,10 @@
 """The per-worker training loop: the only training loop in Flotilla.
 
-`pipelines/train.py`, every Tune trial and every benchmark run it through `TorchTrainer`.
-Each Ray Train worker builds the model, wraps it with `deepspeed.initialize`, resumes from
+`pipelines/train.py`, every Tune trial and every benchmark run it: through `TorchTrainer` (one
+Ray Train worker per rank), or, for a one-worker Tune trial, in the trial's own process
+(`flotilla.train._in_trial`), which spares the trial Ray Train's worker-group start-up. The loop
+sees only a `Session`: its rank, device, data, latest checkpoint and where a report goes.
+Each worker builds the model, wraps it with `deepspeed.initialize`, resumes from
 the newest complete checkpoint if there is one, and per epoch: trains on its shard of the
 train split, evaluates on its shard of the validation split, reduces the metrics across
 ranks, checkpoints (every rank) and reports. After the last epoch the consolidated fp32
@@ -18,7 +21,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import deepspeed
 import ray.train
@@ -41,6 +44,7 @@ from flotilla.train._precision import measured_peak_flops, resolve_precision, to
 from flotilla.train._worker_config import WorkerConfig
 
 BUNDLE_DIR = "bundle"
+CHECKPOINT_PREFIX = "checkpoint_epoch"  # + the epoch (4 digits) + "_" + the attempt
 
 
 class _SchedulerStartNotice(logging.Filter):
@@ -60,16 +64,52 @@ logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 PROGRESS_EVERY_S = 10.0
 
 
+class Session(Protocol):
+    """What the loop needs from where it runs (a Ray Train worker, or a Tune trial's process)."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    def latest_checkpoint(self) -> ray.train.Checkpoint | None: ...
+
+    def shard(self, name: str):  # this rank's part of the "train"/"val" dataset (iter_torch_batches)
+        ...
+
+    def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
+        """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`."""
+
+
+class _TrainWorker:
+    """A Ray Train worker: Ray Train's context, dataset shards and checkpoint storage."""
+
+    def __init__(self) -> None:
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def latest_checkpoint(self) -> ray.train.Checkpoint | None:
+        return ray.train.get_checkpoint()
+
+    def shard(self, name: str):
+        return ray.train.get_dataset_shard(name)
+
+    def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
+
+
 def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
+    """`TorchTrainer`'s entry on every worker."""
+    train(WorkerConfig.model_validate(raw_config), _TrainWorker())
+
+
+def train(config: WorkerConfig, session: Session) -> None:
     # DeepSpeed calls torch.distributed's older collective names once per step; the
     # deprecation notice would fill the log.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    config = WorkerConfig.model_validate(raw_config)
     spec, schema = config.spec, config.data
     t = spec.train
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    rank, world, device = session.rank, session.world, session.device
     if device.type == "cpu":
         # One thread per reserved CPU: more only fights the other ranks for the same cores.
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
@@ -91,7 +131,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
 
     start_epoch, history, resumed_from = 0, [], None
-    latest = ray.train.get_checkpoint()
+    latest = session.latest_checkpoint()
     if latest is not None:
         chosen, note = _checkpoint.choose(latest)
         if note and rank == 0:
@@ -113,8 +153,8 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
         flops_per_token=flops_per_token(model_spec, num_params) if is_lm else None,
         peak_flops=peak,
     )
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
+    train_shard = session.shard("train")
+    val_shard = session.shard("val")
     batch_dtypes = _batch_dtypes(schema)
 
     first_step_at = 0.0  # wall-clock time of this attempt's first finished step (start-up cost)
@@ -198,11 +238,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
                               metrics, history, val["probe"], worker_nodes)
             state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
             _checkpoint.save(engine, directory, rank, world, state)
-            ray.train.report(
-                metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(directory),
-                checkpoint_dir_name=f"checkpoint_epoch{epoch + 1:04d}_{attempt}",
-            )
+            session.report(metrics, directory, f"{CHECKPOINT_PREFIX}{epoch + 1:04d}_{attempt}")
         live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
             say(format_epoch(config.run_name, metrics, t.epochs))

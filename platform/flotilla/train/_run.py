@@ -14,7 +14,9 @@ import pyarrow.fs as pafs
 import ray
 import torch
 import ray.train
+from ray import tune
 from ray.train.torch import TorchTrainer
+from ray.tune.integration.ray_train import TuneReportCallback
 
 from flotilla.bundle import read_bundle_metrics
 from flotilla.cluster import (
@@ -31,7 +33,8 @@ from flotilla.models import build_model
 from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.track import open_tracker
-from flotilla.train._loop import BUNDLE_DIR, train_loop_per_worker
+from flotilla.train._in_trial import InProcess, train_in_trial
+from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
 from flotilla.train._worker_config import WorkerConfig
 
 
@@ -77,13 +80,15 @@ def check_cluster_fits(spec: RunSpec) -> None:
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
-def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: dict[str, str] | None = None,
+def run_training(spec: RunSpec, *, in_trial: bool = False, tracking_tags: dict[str, str] | None = None,
                  check_storage: bool = True) -> TrainingOutcome:
     """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
 
-    `callbacks` are extra Ray Train `UserCallback`s (a Tune trial passes Tune's report callback);
-    `tracking_tags` are set on the run's MLflow run (a sweep links trials to its parent run);
-    `check_storage=False` skips the check that every node sees the run's storage (a sweep checks once).
+    `in_trial=True` when called inside a Ray Tune trial: every epoch is reported to Tune too, and a
+    one-worker run trains in the trial's own process (`flotilla.train._in_trial`) instead of
+    starting a Ray Train worker group; `tracking_tags` are set on the run's MLflow run (a sweep
+    links trials to its parent run); `check_storage=False` skips the check that every node sees the
+    run's storage (a sweep checks once).
     """
     started = time.monotonic()
     t = spec.train
@@ -110,37 +115,22 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
     _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
     if tracker is not None:
         tracker.start(prepared, f"{storage}/{run_name}")
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=WorkerConfig(
-            spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
-            train_rows=prepared.train_rows, run_name=run_name,
-        ).to_ray(),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
-            use_gpu=t.gpus_per_worker > 0,
-            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
-            placement_strategy=t.placement.upper(),
-        ),
-        run_config=ray.train.RunConfig(
-            name=run_name,
-            storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
-            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files;
-            # the console gets Flotilla's epoch lines and Ray Train's warnings.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=([tracker.callback()] if tracker is not None else []) + list(callbacks),
-        ),
-        datasets={"train": prepared.train, "val": prepared.val},
+    config = WorkerConfig(
+        spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
+        train_rows=prepared.train_rows, run_name=run_name,
     )
+    epoch_logger = tracker.callback() if tracker is not None else None
     fit_started = time.monotonic()
     try:
-        result = trainer.fit()
-        if result.checkpoint is None:
-            raise TrainingError(f"run {run_name!r} finished without a checkpoint; nothing to bundle")
+        if in_trial and t.num_workers == 1:
+            checkpoint = _fit_here(config, prepared, fs, f"{storage_root}/{run_name}", epoch_logger)
+        else:
+            callbacks = ([epoch_logger] if epoch_logger else []) + ([TuneReportCallback()] if in_trial else [])
+            checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
     except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
         error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
+        if isinstance(error, Exception) and not isinstance(error, FlotillaError):
+            error = TrainingError(f"training failed: {summarize(error)}")
         use = run_resources(spec, time.monotonic() - fit_started)
         print(f"[{run_name}] {use.describe()}", flush=True)
         if tracker is not None:
@@ -153,9 +143,9 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
     bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
     fs.create_dir(bundle_fs_path, recursive=True)
     pafs.copy_files(
-        f"{result.checkpoint.path}/{BUNDLE_DIR}",
+        f"{checkpoint.path}/{BUNDLE_DIR}",
         bundle_fs_path,
-        source_filesystem=result.checkpoint.filesystem,
+        source_filesystem=checkpoint.filesystem,
         destination_filesystem=fs,
     )
     bundle_metrics = read_bundle_metrics(fs, bundle_fs_path)
@@ -176,6 +166,49 @@ def run_training(spec: RunSpec, *, callbacks: list | tuple = (), tracking_tags: 
         with local_copy(fs, bundle_fs_path) as local_bundle:
             outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
     return outcome
+
+
+def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks: list) -> ray.train.Checkpoint:
+    """`TorchTrainer` over `train.num_workers` workers; the final checkpoint (the bundle is in it)."""
+    t = config.spec.train
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config.to_ray(),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=t.num_workers,
+            use_gpu=t.gpus_per_worker > 0,
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
+            placement_strategy=t.placement.upper(),
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.run_name,
+            storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files;
+            # the console gets Flotilla's epoch lines and Ray Train's warnings.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=callbacks,
+        ),
+        datasets={"train": prepared.train, "val": prepared.val},
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise TrainingError(f"run {config.run_name!r} finished without a checkpoint; nothing to bundle")
+    return result.checkpoint
+
+
+def _fit_here(config: WorkerConfig, prepared, fs: pafs.FileSystem, run_root: str, epoch_logger) -> ray.train.Checkpoint:
+    """One worker in this process (a Tune trial's), reporting each epoch to MLflow and Tune."""
+
+    def on_report(metrics: dict[str, Any]) -> None:
+        if epoch_logger is not None:
+            epoch_logger.after_report(None, [metrics], None)
+        tune.report(metrics)
+
+    session = InProcess({"train": prepared.train, "val": prepared.val}, fs, run_root,
+                        config.spec.train.checkpoints_to_keep, on_report)
+    return train_in_trial(config, session)
 
 
 def new_run_name(spec: RunSpec) -> str:
@@ -213,7 +246,7 @@ def find_bundle(fs: pafs.FileSystem, root: str, run_name: str) -> str:
     if fs.get_file_info(bundle).type != pafs.FileType.NotFound:
         return bundle
     found = fs.get_file_info(pafs.FileSelector(f"{root}/{run_name}", allow_not_found=True))
-    checkpoints = sorted(i.path for i in found if i.base_name.startswith("checkpoint_epoch"))
+    checkpoints = sorted(i.path for i in found if i.base_name.startswith(CHECKPOINT_PREFIX))
     return f"{checkpoints[-1]}/{BUNDLE_DIR}" if checkpoints else bundle
 
 

@@ -4,7 +4,7 @@
     print(outcome.table()); outcome.best; outcome.registration
 """
 
-from flotilla.tune._space import concurrent_slots, largest_trial, trial_spec, tune_domains
+from flotilla.tune._space import concurrent_slots, largest_trial, trial_resources, trial_spec, tune_domains
 from flotilla.tune._sweep import SweepOutcome, TrialRow, metric_and_mode, run_sweep
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "largest_trial",
     "metric_and_mode",
     "run_sweep",
+    "trial_resources",
     "trial_spec",
     "tune_domains",
 ]

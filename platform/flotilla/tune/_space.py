@@ -56,3 +56,15 @@ def concurrent_slots(base: RunSpec, cluster: dict[str, float], data_cpus: int) -
     if t.gpus_per_worker:
         slots = min(slots, math.floor(cluster.get("GPU", 0) / (t.num_workers * t.gpus_per_worker)))
     return max(1, slots)
+
+
+def trial_resources(spec: RunSpec) -> dict[str, float]:
+    """What a trial's own process reserves. A one-worker run trains in it, so it holds the worker's
+    CPUs and GPUs; a larger run's process only drives its TorchTrainer, whose workers reserve them.
+    (A CPU share there would leave Ray Data's one-CPU tasks without a whole free CPU, so it asks
+    for memory only: Ray refuses an empty request.)"""
+    t = spec.train
+    if t.num_workers == 1:
+        return {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})}
+    return {"CPU": 0, "memory": 256 * 1024**2}
+
