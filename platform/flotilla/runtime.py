@@ -98,6 +98,9 @@ def environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
 def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     global _STARTED_LOCAL
     joining = "address" in init_kwargs and init_kwargs["address"] != "local"
@@ -107,7 +110,11 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
-    env = HAPROXY_ENV if ingress == "haproxy" and _STARTED_LOCAL else {}
+    env = dict(HAPROXY_ENV) if ingress == "haproxy" and _STARTED_LOCAL else {}
+    if _STARTED_LOCAL:
+        # Ray Train watches the nodes of every run for preemption (spot instances draining) with
+        # one more actor process per run; the one machine of a local cluster has nothing to drain.
+        env[PREEMPTION_WATCHER_ENV] = "0"
     # FLOTILLA_SHIP_PACKAGE=0: every node imports flotilla from its own install instead. The
     # local fake cluster needs it: its nodes share one runtime_resources directory, and each
     # node that unpacks a shipped package deletes the copy the others are running from.
