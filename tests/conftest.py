@@ -21,6 +21,21 @@ os.environ.setdefault(
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
+# `make test` runs two lanes at once (pytest-xdist, `-n 2 --dist loadgroup`): the suite spends a
+# third of its time waiting (clusters starting, autoscalers, health checks, load for N seconds),
+# and the modules that build clusters of their own share nothing with the session's local Ray.
+# Every module of a lane runs in that lane's one process, in file order, so module- and
+# session-scoped fixtures (the session's Ray, `digits_champion`) are built once per lane.
+OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if "integration" in item.module.__name__:
+            item.add_marker(pytest.mark.xdist_group("own-clusters" if module in OWN_CLUSTERS else "local-ray"))
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """One test's environment variables never leak into the next."""
