@@ -21,19 +21,31 @@ os.environ.setdefault(
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
-# `make test` runs two lanes at once (pytest-xdist, `-n 2 --dist loadgroup`): the suite spends a
-# third of its time waiting (clusters starting, autoscalers, health checks, load for N seconds),
-# and the modules that build clusters of their own share nothing with the session's local Ray.
-# Every module of a lane runs in that lane's one process, in file order, so module- and
-# session-scoped fixtures (the session's Ray, `digits_champion`) are built once per lane.
+# `make test` runs the suite in two lanes at once (`pytest -n 2`): it spends a third of its time
+# waiting (clusters starting, autoscalers, health checks, load for N seconds), and the modules
+# that build clusters of their own share nothing with those on the session's local Ray. Each lane
+# is one process that runs its modules in file order, so module- and session-scoped fixtures (the
+# session's Ray, `digits_champion`) are built once. The unit tests join the lighter lane.
 OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming"}
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        if "integration" in item.module.__name__:
-            item.add_marker(pytest.mark.xdist_group("own-clusters" if module in OWN_CLUSTERS else "local-ray"))
+def lane(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    on_session_ray = "/integration/" in path and Path(path).stem not in OWN_CLUSTERS
+    return "session-ray" if on_session_ray else "own-clusters"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling with the two lanes as its only scopes: one per worker."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -104,4 +116,24 @@ def digits_champion(_ray_session, tmp_path_factory) -> TrainedModel:
     _local_ray()
     store = tmp_path_factory.mktemp("digits-champion")
     spec = digits_spec(store, "cost.cpu_hour=0.05", "cost.currency=EUR")
+    return TrainedModel(spec, run_training(spec), store)
+
+
+# The small byte-level GPT of the suite: two layers, activation checkpointing, gradient accumulation.
+GPT_TEST = ["data.max_bytes=150000", "model.layers=2", "model.heads=2", "model.width=64", "model.context=64",
+            "model.activation_checkpointing=true", "train.epochs=2", "train.batch_size=32", "train.grad_accum=2",
+            "train.precision=fp32"]
+
+
+@pytest.fixture(scope="session")
+def gpt_champion(digits_champion) -> TrainedModel:
+    """The small GPT trained once per session into the store of `digits_champion` (experiment and
+    model `pycode-gpt`, v1 champion), so that one copy of that store serves both models."""
+    from flotilla.spec import load_spec
+    from flotilla.train import run_training
+    from tests.integration._helpers import ROOT, store_uri
+
+    store = digits_champion.store
+    spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml",
+                     [f"train.storage_path={store}", f"track.uri={store_uri(store)}", *GPT_TEST])
     return TrainedModel(spec, run_training(spec), store)

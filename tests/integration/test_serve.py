@@ -1,8 +1,9 @@
 """Serving: real HTTP requests against real Ray Serve apps, models loaded from a real MLflow registry.
 
-One module-scoped setup trains the digits MLP (→ v1 champion; v2 is registered from the same
-run as `candidate`) and a tiny byte-level GPT, starts Serve on a free port, and deploys both.
-Tests then change the classifier app in place (split, shadow, replicas) in file order.
+One module-scoped setup takes the session's digits MLP (v1 champion; v2 is registered from the
+same run as `candidate`) and its small byte-level GPT (tests/conftest.py), starts Serve on a free
+port, and deploys both. Tests then change the classifier app in place (split, shadow, replicas) in
+file order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import requests
 
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
-from flotilla.train import run_training
+from tests.conftest import GPT_TEST
 from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, store_uri
 from tests.services import free_port
 
@@ -49,7 +50,7 @@ SERVE_TEST = [
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, digits_champion, tmp_path_factory):
+def served(ray_cluster, digits_champion, gpt_champion, tmp_path_factory):
     from mlflow import MlflowClient
     from ray import serve
 
@@ -57,7 +58,8 @@ def served(ray_cluster, digits_champion, tmp_path_factory):
     from flotilla.track import set_alias
 
     store = tmp_path_factory.mktemp("serve")
-    digits_champion.store_copy(store)  # the session's digits v1 (champion) in a registry of our own
+    # The session's digits v1 and pycode-gpt v1 (champions) in a registry of our own.
+    digits_champion.store_copy(store)
     port = free_port()
     common = [f"serve.port={port}", *SERVE_TEST]
     digits = digits_spec(store, "track.gate.require=[]", *common)
@@ -68,11 +70,7 @@ def served(ray_cluster, digits_champion, tmp_path_factory):
     set_alias(client, "digits", "candidate", "2")
 
     gpt = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
-        f"train.storage_path={store}", f"track.uri={store_uri(store)}", "data.max_bytes=60000",
-        "model.layers=1", "model.heads=2", "model.width=32", "model.context=32",
-        "model.activation_checkpointing=false", "train.num_workers=1", "train.batch_size=16", *common,
-    ])
-    run_training(gpt)
+        f"train.storage_path={store}", f"track.uri={store_uri(store)}", *GPT_TEST, *common])
     generator = deploy(plan_deployment(gpt))
     classifier = deploy(plan_deployment(digits))
     yield {"store": store, "digits": digits, "outcome": outcome, "classifier": classifier, "generator": generator,
