@@ -103,10 +103,18 @@ def replicas(app: str, state: str = "RUNNING") -> int:
     return sum(d.replica_states.get(state, 0) for d in status.deployments.values())
 
 
+def _gcs() -> str:
+    """This session's cluster, named: without an address Ray's state API looks for running clusters
+    on the machine and refuses when it finds more than one (another lane's, or test_hosts' head)."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 def replica_actors(app: str) -> list[str]:
     from ray.util.state import list_actors
 
-    return sorted(a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return sorted(a.actor_id for a in list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")], limit=1000)
                   if a.class_name.startswith("ServeReplica:" + app + ":"))
 
 
@@ -327,7 +335,7 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_answering(served):
     url = served["classifier"].url + "/predict"
     with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6) as load:
         time.sleep(2)
-        victim = next(a for a in ray.util.state.list_actors(filters=[("actor_id", "=", before[0])]))
+        victim = next(a for a in ray.util.state.list_actors(address=_gcs(), filters=[("actor_id", "=", before[0])]))
         ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
         killed = time.monotonic()
         wait_for(lambda: len(set(replica_actors("digits")) - set(before)) == 1 and replicas("digits") == 2,
