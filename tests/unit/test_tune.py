@@ -84,6 +84,14 @@ def test_a_one_worker_trial_reserves_its_worker_and_a_larger_one_leaves_it_to_it
     assert trial_resources(two)["CPU"] == 0  # its TorchTrainer's workers hold the CPUs
 
 
+def test_trials_share_one_data_preparation_unless_the_space_changes_what_it_reads():
+    from flotilla.tune._sweep import _space_changes_data
+
+    assert not _space_changes_data(_sweep().tune.space)  # lr, hidden, batch size: the same data
+    assert _space_changes_data({"data.source": {"grid": ["a", "b"]}})
+    assert _space_changes_data({"model.context": {"choice": [32, 64]}})  # a GPT's windows
+
+
 def test_metric_and_mode_defaults():
     assert metric_and_mode(_sweep()) == ("val_accuracy", "max")
     assert metric_and_mode(_sweep("tune.metric=val_loss", "tune.mode=null")) == ("val_loss", "min")

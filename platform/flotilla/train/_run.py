@@ -27,7 +27,7 @@ from flotilla.cluster import (
     resource_use,
     wait_for_room,
 )
-from flotilla.data import filesystem_for, prepare_data
+from flotilla.data import PreparedData, filesystem_for, prepare_data
 from flotilla.errors import ClusterError, FlotillaError, TrainingError, summarize
 from flotilla.models import build_model
 from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
@@ -80,13 +80,14 @@ def check_cluster_fits(spec: RunSpec) -> None:
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
-def run_training(spec: RunSpec, *, in_trial: bool = False, tracking_tags: dict[str, str] | None = None,
-                 check_storage: bool = True) -> TrainingOutcome:
+def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedData | None = None,
+                 tracking_tags: dict[str, str] | None = None, check_storage: bool = True) -> TrainingOutcome:
     """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
 
     `in_trial=True` when called inside a Ray Tune trial: every epoch is reported to Tune too, and a
     one-worker run trains in the trial's own process (`flotilla.train._in_trial`) instead of
-    starting a Ray Train worker group; `tracking_tags` are set on the run's MLflow run (a sweep
+    starting a Ray Train worker group; `prepared` is this spec's data, prepared already (a sweep
+    whose trials share their data prepares it once); `tracking_tags` are set on the run's MLflow run (a sweep
     links trials to its parent run); `check_storage=False` skips the check that every node sees the
     run's storage (a sweep checks once).
     """
@@ -102,7 +103,7 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, tracking_tags: dict[s
     if check_storage:
         check_storage_reaches_every_node(local_storage(t.storage_path, tracker.uri if tracker else None))
 
-    prepared = prepare_data(spec)
+    prepared = prepared or prepare_data(spec)
     print(
         f"[{run_name}] data {prepared.source.description!r}: {prepared.train_rows} train / {prepared.val_rows} val "
         f"rows, fingerprint {prepared.fingerprint[:12]}",

@@ -111,10 +111,14 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
     slots = t.max_concurrent_trials or concurrent_slots(spec, ray.cluster_resources(), DATA_CPUS)
 
     parent = _ParentRun(spec, name, uri) if uri else None
+    # When no trial changes what data preparation reads, the data is read, split and fitted once,
+    # here, and every trial trains on the same materialized datasets (seconds saved per trial).
+    shared = None if _space_changes_data(t.space) else prepare_data(trial_spec(spec, {}))
     trainable = tune.with_resources(
         tune.with_parameters(
             _trial,
             base=spec.model_dump(mode="json"),
+            shared_data=shared,
             sweep=name,
             runs_storage=f"{storage}/{name}-runs",
             tracking_uri=uri,
@@ -169,7 +173,13 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
     return outcome
 
 
-def _trial(config: dict[str, Any], base: dict, sweep: str, runs_storage: str, tracking_uri: str | None,
+def _space_changes_data(space: dict[str, Any]) -> bool:
+    """Whether a trial's data preparation can differ from the base spec's: it reads the `data`
+    section and, for a GPT, the model's kind and context."""
+    return any(path.startswith("data.") or path in ("model.kind", "model.context") for path in space)
+
+
+def _trial(config: dict[str, Any], base: dict, shared_data, sweep: str, runs_storage: str, tracking_uri: str | None,
            parent_run_id: str | None) -> None:
     """One trial: the ordinary training run, reporting to Tune, with a child MLflow run."""
     ensure_ray()  # connected already; quiets Ray Data's progress output in this process too
@@ -181,7 +191,7 @@ def _trial(config: dict[str, Any], base: dict, sweep: str, runs_storage: str, tr
     tags = {SWEEP_TAG: sweep, TRIAL_TAG: trial_id}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    run_training(spec, in_trial=True, tracking_tags=tags, check_storage=False)
+    run_training(spec, in_trial=True, prepared=shared_data, tracking_tags=tags, check_storage=False)
 
 
 def _searcher(t, metric: str, mode: str, slots: int):
