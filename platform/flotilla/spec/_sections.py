@@ -167,7 +167,8 @@ class TrainSpec(_Section):
     )
     seed: int = Field(0, description="Seed for weights, dropout and data order.")
     max_failures: int = Field(
-        2, ge=-1, description="Worker failures to recover from (restart + resume from the last checkpoint); -1 is unlimited."
+        2, ge=-1, description="Worker failures to recover from (restart + resume from the last checkpoint); -1 is unlimited. "
+        "A one-worker sweep trial trains in its trial's process: `tune.trial_max_failures` retries it instead."
     )
     run_name: Optional[str] = Field(
         None,
