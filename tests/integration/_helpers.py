@@ -45,3 +45,23 @@ def digits_val_rows(spec: RunSpec):
 
 def accuracy(predictions, labels) -> float:
     return float(np.mean(np.asarray(predictions) == labels))
+
+
+def own_ray_processes(prefix: str) -> list:
+    """This session's Ray worker processes whose title starts with `prefix` (`ray::RayTrainWorker`,
+    `ray::_trial`): descendants of its raylet, never another cluster's on the same machine (the
+    other test lane's, test_hosts' hosts)."""
+    import psutil
+    import ray
+    from ray._private import ray_constants
+
+    node = ray._private.worker.global_worker.node
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    found = []
+    for p in raylet.children(recursive=True):
+        try:
+            if p.cmdline() and p.cmdline()[0].startswith(prefix):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found

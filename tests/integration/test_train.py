@@ -7,14 +7,13 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from flotilla.bundle import load_bundle
 from flotilla.train import run_training
 
 
-from ._helpers import accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs
+from ._helpers import accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, own_ray_processes
 
 pytestmark = pytest.mark.integration
 
@@ -55,11 +54,7 @@ def test_gpt_trains_with_activation_checkpointing(ray_cluster, gpt_champion):
 
 
 def _train_worker_pids() -> list[int]:
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")
-    ]
+    return [p.pid for p in own_ray_processes("ray::RayTrainWorker")]
 
 
 def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):

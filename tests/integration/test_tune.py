@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from flotilla.spec import load_spec
@@ -18,7 +17,7 @@ from flotilla.track import CANDIDATE
 from flotilla.train import checkpoint_problems
 from flotilla.tune import run_sweep
 
-from ._helpers import ROOT, metric_steps, mlflow_runs, store_uri
+from ._helpers import ROOT, metric_steps, mlflow_runs, own_ray_processes, store_uri
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -72,10 +71,6 @@ def test_asha_sweep_stops_weak_trials_and_registers_the_best(ray_cluster, tmp_pa
     assert CANDIDATE in version.aliases and version.run_id == by_name[best.run_name].info.run_id
 
 
-def _alive(name: str) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and p.info["cmdline"][0].startswith(name)]
-
-
 def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluster, tmp_path):
     uri = store_uri(tmp_path)
     cmd = [
@@ -112,7 +107,7 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
     finished_mtime = (finished / "bundle" / "metrics.json").stat().st_mtime
     # The dead driver's trial actors and training workers go with it.
     deadline = time.monotonic() + 120
-    while (_alive("ray::_trial") or _alive("ray::RayTrainWorker")) and time.monotonic() < deadline:
+    while (own_ray_processes("ray::_trial") or own_ray_processes("ray::RayTrainWorker")) and time.monotonic() < deadline:
         time.sleep(0.5)
 
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
