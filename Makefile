@@ -28,8 +28,8 @@ demo: $(VENV)/.installed ## train the default model on a local Ray, register it,
 	$(VENV)/bin/flotilla train --config configs/digits.yaml
 	$(VENV)/bin/flotilla deploy --config configs/digits.yaml --query
 
-test: $(VENV)/.installed test-services ## the whole suite (unit, integration, slow) in two lanes; PYTEST_ARGS passes options
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+test: $(VENV)/.installed test-services ## the whole suite (unit, integration, slow); PYTEST_ARGS passes options (-n 2: two lanes)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.installed ## the unit tests only (no Ray, seconds)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

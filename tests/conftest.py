@@ -21,7 +21,7 @@ os.environ.setdefault(
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
-# `make test` runs the suite in two lanes at once (`pytest -n 2`): it spends a third of its time
+# `pytest -n 2` runs the suite in two lanes at once: it spends a third of its time
 # waiting (clusters starting, autoscalers, health checks, load for N seconds), and the modules
 # that build clusters of their own share nothing with those on the session's local Ray. Each lane
 # is one process that runs its modules in file order, so module- and session-scoped fixtures (the
