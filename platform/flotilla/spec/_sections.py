@@ -192,6 +192,10 @@ class TrainSpec(_Section):
         "nodes before failing (a cluster whose autoscaler launches nothing fails after ~30 s).",
     )
 
+    def worker_resources(self) -> dict[str, float]:
+        """What one worker reserves: its CPUs, and its GPUs when it has any."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "TrainSpec":
         if self.offload_params != "none" and self.zero_stage != 3:

@@ -178,7 +178,7 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
             use_gpu=t.gpus_per_worker > 0,
-            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})},
+            resources_per_worker=t.worker_resources(),
             placement_strategy=t.placement.upper(),
         ),
         run_config=ray.train.RunConfig(

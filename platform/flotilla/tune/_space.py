@@ -65,6 +65,6 @@ def trial_resources(spec: RunSpec) -> dict[str, float]:
     for memory only: Ray refuses an empty request.)"""
     t = spec.train
     if t.num_workers == 1:
-        return {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.gpus_per_worker else {})}
+        return t.worker_resources()
     return {"CPU": 0, "memory": 256 * 1024**2}
 
