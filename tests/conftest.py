@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,27 @@ def pytest_xdist_make_scheduler(config, log):
             return lane(nodeid)
 
     return Lanes(config, log)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A session that ran Ray ends its process here, with the session's exit status, instead of
+    tearing down the interpreter: Ray's background threads can outlive `ray.shutdown()` (more so
+    once the session restarted Ray, as test_serve_haproxy does), and one that wakes while Python
+    finalizes crashes the process after every test passed (seen once: a segmentation fault after
+    the summary). Everything the run reports is written by then."""
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is not None and "ray" in sys.modules and not hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 @pytest.fixture(autouse=True)

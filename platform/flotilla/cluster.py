@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -41,11 +42,17 @@ def wait_for_room(need: dict[str, float], bundles: list[dict[str, float]], *, ti
     On a running cluster (`may_wait`) a shortfall is a request to its autoscaler
     (`ray.autoscaler.sdk.request_resources`): wait until the nodes have joined, for at most
     `timeout_s`, and give up after ~30 s if the autoscaler launched nothing. A local cluster
-    that this process started has no autoscaler: its shortfall is returned at once.
+    that this process started has no autoscaler, and the read-only one of a plain `ray start`
+    cannot add nodes: their shortfall is returned at once.
     """
     missing = shortfall(need)
     if not missing or not may_wait or timeout_s <= 0:
         return missing, ""
+    if _autoscaler_is_read_only():
+        print(f"[{label}] the cluster has {_totals(missing)} and cannot grow: its autoscaler is Ray's read-only "
+              "one", flush=True)
+        return missing, ("the cluster cannot add nodes: it was started by `ray start` without "
+                         "--autoscaling-config (`ray up cluster.yaml` starts one that can)")
     from ray.autoscaler.sdk import request_resources
 
     started = time.monotonic()
@@ -82,17 +89,33 @@ def _totals(resources: dict[str, Any]) -> str:
     return ", ".join(f"{total.get(r, 0.0):g} {r}" for r in resources)
 
 
-def _autoscaler_launching() -> bool:
-    """True when the autoscaler reports nodes being launched or set up (autoscaler v1's status)."""
+def _autoscaler_report() -> dict:
+    """The autoscaler's last status report (autoscaler v1's, in the GCS); {} when there is none."""
     from ray._private import ray_constants
     from ray.experimental.internal_kv import _internal_kv_get
 
     try:
         raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-        report = json.loads(raw).get("autoscaler_report") or {} if raw else {}
-    except Exception:  # no status to read: say nothing launched; the 30 s rule decides
-        return False
+        return json.loads(raw).get("autoscaler_report") or {} if raw else {}
+    except Exception:  # no status to read: the caller's timeouts decide
+        return {}
+
+
+def _autoscaler_launching() -> bool:
+    """True when the autoscaler reports nodes being launched or set up."""
+    report = _autoscaler_report()
     return bool(report.get("pending_launches") or report.get("pending_nodes"))
+
+
+# The read-only autoscaler (a head started without --autoscaling-config) has no node types of
+# its own: it names each node's type after the node's id (ray.autoscaler's format_readonly_node_type).
+_READ_ONLY_NODE_TYPE = re.compile(r"node_[0-9a-f]{40,}")
+
+
+def _autoscaler_is_read_only() -> bool:
+    """True when the cluster's autoscaler is Ray's read-only one, which never launches a node."""
+    types = set((_autoscaler_report().get("node_type_mapping") or {}).values())
+    return bool(types) and all(_READ_ONLY_NODE_TYPE.fullmatch(t) for t in types)
 
 
 # ------------------------------------------------------------------- storage

@@ -99,6 +99,15 @@ def environment(values: dict[str, str]):
 
 
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Ray Train's controller collects each worker's report when it polls them, every 2 s by default,
+# and a worker's next report waits until the last was collected: a run whose epochs take less
+# than that (digits: ~0.3 s) spent most of its time waiting. Polled every 0.5 s, a 12-epoch digits
+# run trains in 27 s instead of 45 s. Set it in the environment to choose another interval.
+TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def _train_poll_env() -> dict[str, str]:
+    return {} if TRAIN_POLL_ENV in os.environ else {TRAIN_POLL_ENV: "0.5"}
 
 
 def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
@@ -112,6 +121,7 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
     env = dict(HAPROXY_ENV) if ingress == "haproxy" and _STARTED_LOCAL else {}
     if _STARTED_LOCAL:
+        env.update(_train_poll_env())
         # Ray Train watches the nodes of every run for preemption (spot instances draining) with
         # one more actor process per run; the one machine of a local cluster has nothing to drain.
         env[PREEMPTION_WATCHER_ENV] = "0"
@@ -122,7 +132,8 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     # it the job keeps Ray's default runtime env (its prestarted workers), and processes other than
     # the driver may print Ray Data's notice that progress bars are off.
     ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
-    runtime_env = {"py_modules": [PACKAGE_DIR], "worker_process_setup_hook": "flotilla.runtime.quiet_process_logs"}
+    runtime_env = {"py_modules": [PACKAGE_DIR], "worker_process_setup_hook": "flotilla.runtime.quiet_process_logs",
+                   "env_vars": _train_poll_env()}  # the job's Train controllers, on any cluster
     with environment(env):  # Ray's processes keep it; this process gets its own back
         ray.init(runtime_env=runtime_env if ship else None, **init_kwargs)
 
