@@ -59,6 +59,19 @@ Against a running cluster (RAY_ADDRESS, `ray start`, `ray job submit`) the endpo
 running after the command exits, and a second deploy of the same model updates it in place.
 With no cluster, a local one is started and lives as long as the command.""",
     ),
+    "deploy-apps": (
+        "Deploy a Ray Serve config file to a running cluster, this checkout as its apps' code.",
+        """examples:
+  flotilla deploy-apps serve_apps/config.yaml --address http://HEAD:8265
+  flotilla deploy-apps my_apps.yaml                # RAY_DASHBOARD_ADDRESS, else http://127.0.0.1:8265
+
+Ray's `serve deploy` needs the apps' code on every node already (or at a remote URI in the file's
+runtime_env). This uploads the working directory and Flotilla's package to the cluster, as `ray
+job submit --working-dir .` does, names them in each app's runtime_env (unless the file gives its
+own), deploys the file and waits until every app runs. Each run rolls the apps, resolving their
+aliases anew: after `flotilla promote`, the same command serves the new champion. `serve status
+--address ...` shows them.""",
+    ),
     "promote": (
         "Move a registered model's alias: promote a version, or roll `champion` back.",
         """examples:
@@ -117,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(command=None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
-        "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args,
+        "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
         "promote": _promote_args, "validate": _spec_args, "config": _config_args,
     }
-    runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "promote": _promote,
+    runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "deploy-apps": _deploy_apps, "promote": _promote,
                "validate": _validate, "config": _config}
     for name, add_args in commands.items():
         summary, examples = SUBCOMMANDS[name]
@@ -157,6 +170,15 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
                         help="point `champion` at the `candidate` version and send it all traffic, in place")
     action.add_argument("--delete", action="store_true", help="remove the endpoint")
     p.add_argument("--query", action="store_true", help="send one sample request, print the answer, exit")
+
+
+def _deploy_apps_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("serve_config", metavar="CONFIG.yaml", help="a Ray Serve config file, e.g. serve_apps/config.yaml")
+    p.add_argument("--address", help="the cluster's dashboard (default: $RAY_DASHBOARD_ADDRESS, else "
+                                     "http://127.0.0.1:8265)")
+    p.add_argument("--working-dir", default=".", help="the apps' code and files (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for every app to run (default: %(default)s)")
 
 
 def _promote_args(p: argparse.ArgumentParser) -> None:
@@ -262,6 +284,15 @@ def _deploy(args) -> int:
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
+    return 0
+
+
+def _deploy_apps(args) -> int:
+    from flotilla.serve import deploy_apps
+
+    urls = deploy_apps(args.serve_config, address=args.address, working_dir=args.working_dir, timeout_s=args.timeout)
+    for name, url in urls.items():
+        print(f"serving {name} at {url}")
     return 0
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ._helpers import ROOT
 
@@ -279,16 +280,26 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
         time.sleep(2)
 
 
-def test_promote_then_one_command_rolls_the_endpoint_to_the_new_champion(hosts):
+def test_promote_then_the_serve_config_file_rolls_the_endpoint_to_the_new_champion(hosts):
     url = f"http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits/predict"
     out = submit(hosts, "promote-2", "pipelines/promote.py", "--config", "configs/digits.yaml", "--version", "2")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert registry(hosts)["aliases"]["champion"] == "2"
-    # The roll: the same deploy command again (it resolves `champion` anew and updates the app in place).
-    out = submit(hosts, "deploy-2", "pipelines/deploy.py", "--config", "configs/digits.yaml",
-                 "--set", "serve.host=0.0.0.0", "--set", "serve.autoscaling.min_replicas=2",
-                 "--set", "serve.autoscaling.max_replicas=2", "--set", "serve.replica.num_cpus=1.5")
+    # The roll: serve_apps/config.yaml's digits app, as an operator adapts it to this cluster
+    # (Serve on every interface, one 1.5-CPU replica per worker host), deployed from the client host
+    # by the one command that ships the checkout's code with it; the registry comes from the nodes'
+    # environment (cluster.yaml's MLFLOW_TRACKING_URI). It replaces the app `flotilla deploy` started.
+    config = yaml.safe_load((ROOT / "serve_apps" / "config.yaml").read_text())
+    config["http_options"]["host"] = "0.0.0.0"
+    config["applications"] = [app for app in config["applications"] if app["name"] == "digits"]
+    assert "tracking_uri" not in config["applications"][0]["args"]
+    config["applications"][0]["args"]["set"] = ["serve.autoscaling.min_replicas=2", "serve.autoscaling.max_replicas=2",
+                                                "serve.replica.num_cpus=1.5"]
+    apps = Path(hosts.shared) / "apps.yaml"
+    apps.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = hosts.run("client", ["flotilla", "deploy-apps", str(apps), "--address", hosts.jobs_address], timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert f"serving digits at http://{hosts.head_address}:{SERVE_PORT}/v1/models/digits" in out.stdout, out.stdout
     answered = on_client(hosts, f"""
 import json, time, requests
 seen = set()
@@ -298,6 +309,10 @@ for _ in range(20):
 print(json.dumps(sorted(seen)))
 """)
     assert answered == [[200, "2"]], answered
+    deadline = time.monotonic() + 60  # the replaced app's replicas may still be stopping
+    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
+        assert time.monotonic() < deadline, replica_hosts(hosts)
+        time.sleep(2)
 
 
 def test_down_leaves_nothing_behind(hosts):

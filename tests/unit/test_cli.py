@@ -22,8 +22,8 @@ def test_top_level_help_lists_every_command_and_the_exit_codes(capsys):
         main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    for command in ("train", "sweep", "deploy", "promote", "validate", "config"):
-        assert f"    {command} " in out
+    for command in ("train", "sweep", "deploy", "deploy-apps", "promote", "validate", "config"):
+        assert f"    {command} " in out or f"    {command}\n" in out
     assert "exit codes:" in out and "2    bad input" in out and "130  interrupted" in out
 
 
@@ -51,6 +51,20 @@ def test_scripts_and_package_inits_hold_no_logic():
         tree = ast.parse(init.read_text())
         defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
         assert defined == [], f"{init} defines {defined}; package __init__ files only re-export"
+
+
+def test_deploy_apps_checks_the_serve_config_before_reaching_a_cluster(tmp_path, capsys):
+    assert main(["deploy-apps", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such Serve config file" in capsys.readouterr().err
+    bad = tmp_path / "apps.yaml"
+    bad.write_text("applications:\n  - name: digits\n    route_prefix: /v1/models/digits\n")
+    assert main(["deploy-apps", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} is not a Ray Serve config file" in err and "applications.0.import_path: Field required" in err
+    # A well-formed file, but no cluster at the address: exit 3, naming the address and the fix.
+    assert main(["deploy-apps", str(ROOT / "serve_apps" / "config.yaml"), "--address", "http://127.0.0.1:9"]) == 3
+    err = capsys.readouterr().err
+    assert "cannot reach the Ray dashboard at http://127.0.0.1:9" in err and "--address http://HEAD:8265" in err
 
 
 def test_validate_prints_the_resolved_spec(capsys):

@@ -102,6 +102,7 @@ def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders
         module, _, attr = app.import_path.partition(":")
         assert callable(getattr(importlib.import_module(module), attr))
         AppArgs.model_validate(app.args)  # unknown keys would fail at deploy time
+        assert "tracking_uri" not in app.args  # the registry comes from each node's MLFLOW_TRACKING_URI
         assert app.route_prefix == f"/v1/models/{app.name}"
 
 

@@ -3,8 +3,10 @@
     plan = plan_deployment(spec)      # the spec's `serve` section; aliases resolved to versions once
     endpoint = deploy(plan)           # POST {endpoint.url}/predict  or  {endpoint.url}/generate
     build_application(plan)           # the Serve application, for `serve run` / `serve deploy` builders
+    deploy_apps("serve_apps/config.yaml", address="http://HEAD:8265")  # a Serve config, with this checkout
 """
 
+from flotilla.serve._apps import deploy_apps
 from flotilla.serve._builder import AppArgs, build_app
 from flotilla.serve._deploy import (
     DeploymentPlan,
@@ -38,6 +40,7 @@ __all__ = [
     "build_application",
     "delete_endpoint",
     "deploy",
+    "deploy_apps",
     "load_version",
     "plan_deployment",
     "promote_candidate",

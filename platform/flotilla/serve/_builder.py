@@ -4,7 +4,8 @@
     serve run serve_apps.generator:app config=configs/pycode_gpt.yaml version=3
 
 Arguments: `config` (a run spec; its `serve` section) or `model` (then the built-in defaults), `alias` or
-`version` (one target, all traffic), `traffic` (`champion=90,candidate=10`), `tracking_uri`.
+`version` (one target, all traffic), `traffic` (`champion=90,candidate=10`), `tracking_uri`, `set`
+(spec overrides).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class AppArgs(BaseModel):
     alias: str | None = Field(None, description="Serve this alias with all traffic (default: the spec's traffic).")
     version: str | None = Field(None, description="Serve this version with all traffic.")
     traffic: str | None = Field(None, description="A split such as `champion=90,candidate=10`.")
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default from the spec.")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default from the spec (whose default "
+                                     "is MLFLOW_TRACKING_URI in the environment of the node that builds the app).")
+    set: list[str] = Field([], description="Spec overrides, as `--set` takes them: ['serve.replica.num_cpus=2'].")
 
 
 def build_app(args: dict, kind: str):
@@ -37,7 +40,7 @@ def build_app(args: dict, kind: str):
     from flotilla.spec import traffic_override
 
     parsed = AppArgs.model_validate(args or {})
-    overrides = []
+    overrides = list(parsed.set)
     chosen = [x for x in (parsed.alias, parsed.version, parsed.traffic) if x]
     if len(chosen) > 1:
         raise ServeError("give one of alias=, version= or traffic=")

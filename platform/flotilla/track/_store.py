@@ -68,7 +68,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
 class _quick_http:
     """MLflow retries HTTP calls for minutes by default; a startup check should answer in seconds."""
 
-    VARS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    VARS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
     def __enter__(self):
         self.before = {k: os.environ.get(k) for k in self.VARS}
