@@ -110,7 +110,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
             if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
                 step.fit(train)
         if label_step is not None:
-            mapping = _fit_label_encoder(label_step, train, label, source)
+            mapping, train_rows = _fit_label_encoder(label_step, train, label, source)
             fields["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
             fields["num_classes"] = len(mapping)
         schema = DataSchema(**fields)
@@ -127,7 +127,9 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         # Preprocessed once into the object store (not the driver): epochs then cost only
         # the training, not a re-read and re-transform on the same cores.
         train, val = train.materialize(), val.materialize()
-    train_rows, val_rows = train.count(), val.count()
+    if text or label_step is None:  # (a classification's label fit counted the training rows)
+        train_rows = train.count()
+    val_rows = val.count()
     unit = "context windows" if text else "rows"
     if train_rows == 0:
         raise DataError(
@@ -155,13 +157,15 @@ def prepare_data(spec: RunSpec) -> PreparedData:
     )
 
 
-def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, source) -> dict[Any, int]:
-    """Fit `step` as Ray's own `fit` would (classes sorted, index = position) in one pass: each block
-    lists its labels as one JSON string. (Ray's fit collects value counts as dicts keyed by label,
+def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, source) -> tuple[dict[Any, int], int]:
+    """Fit `step` as Ray's own `fit` would (classes sorted, index = position) in one pass that also
+    counts the rows (a source too big to cache is not read again for `count()`): each block lists
+    its labels as one JSON string. (Ray's fit collects value counts as dicts keyed by label,
     which Arrow cannot hold for integer labels, so each block falls back to pickled objects and
     says so; Ray Data's `unique` is a shuffle, with an actor per partition.)"""
     per_block = train.map_batches(_labels_of_block, batch_format="pandas", batch_size=None,
                                   fn_kwargs={"label": label}).take_all()
+    rows = sum(int(row["rows"]) for row in per_block)
     values = sorted({v for row in per_block for v in json.loads(row["labels"])}, key=_sort_key)
     if any(v is None or (isinstance(v, float) and v != v) for v in values):
         raise DataError(f"label column {label!r} of {source.description!r} has missing values; "
@@ -169,12 +173,12 @@ def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, 
     mapping = {v: i for i, v in enumerate(values)}
     step._set_stats(stats={f"unique_values({label})": mapping})
     step._fitted = True
-    return mapping
+    return mapping, rows
 
 
 def _labels_of_block(df: pd.DataFrame, label: str) -> pd.DataFrame:
     values = [v.item() if hasattr(v, "item") else v for v in df[label].unique()]
-    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])]})
+    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])], "rows": [len(df)]})
 
 
 def _sort_key(value: Any) -> tuple:
