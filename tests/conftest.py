@@ -129,9 +129,38 @@ class TrainedModel:
 
 
 @pytest.fixture(scope="session")
-def digits_champion(_ray_session, tmp_path_factory) -> TrainedModel:
+def prometheus(_ray_session):
+    """A real Prometheus, configured from ops/prometheus.yml as shipped (scraping every second), that
+    watches the session's local Ray from before its first training run: test_monitoring queries
+    what `digits_champion`'s run exported, with no training run of its own."""
+    import time
+
+    import yaml
+
+    from tests.integration._helpers import ROOT
+    from tests.services import prometheus_server
+
+    ray = _local_ray()
+    node = ray._private.worker.global_worker.node
+    discovery = Path(node.get_session_dir_path()) / "prom_metrics_service_discovery.json"
+    deadline = time.monotonic() + 60
+    while not discovery.exists():
+        assert time.monotonic() < deadline, f"Ray never wrote {discovery}"
+        time.sleep(1)
+    config = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    sd = config["scrape_configs"][0]["file_sd_configs"][0]
+    assert sd["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]  # Ray's default temp dir
+    sd["files"], sd["refresh_interval"] = [str(discovery)], "2s"
+    with prometheus_server(config) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def digits_champion(_ray_session, prometheus, tmp_path_factory) -> TrainedModel:
     """The default digits run as `make demo` trains it (ZeRO-2, 2 workers, gate val_accuracy >= 0.95),
-    with a CPU price: registered as digits v1, candidate and champion. Trained once per session."""
+    with a CPU price: registered as digits v1, candidate and champion. Trained once per session,
+    with `prometheus` scraping it."""
     from flotilla.train import run_training
     from tests.integration._helpers import digits_spec
 

@@ -1,45 +1,20 @@
 """Monitoring: a real Prometheus, configured from ops/prometheus.yml, scrapes the local Ray cluster
-while a training run and a Serve endpoint work; Flotilla's metrics come back through its HTTP API,
-and every query of ops/grafana/flotilla.json is valid against it."""
+while the session's champion run trains and a Serve endpoint works; Flotilla's metrics come back
+through its HTTP API, and every query of ops/grafana/flotilla.json is valid against it."""
 
 from __future__ import annotations
 
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import requests
-import yaml
 
-from flotilla.train import run_training
-from tests.integration._helpers import ROOT, digits_spec, digits_val_rows
-from tests.services import free_port, prometheus_server
+from tests.integration._helpers import ROOT, digits_val_rows
+from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-EPOCHS = 6
-
-
-@pytest.fixture(scope="module")
-def prometheus(ray_cluster):
-    import ray
-
-    # ops/prometheus.yml as shipped, pointed at this session's discovery file and scraping often.
-    node = ray._private.worker.global_worker.node
-    discovery = Path(node.get_session_dir_path()) / "prom_metrics_service_discovery.json"
-    deadline = time.monotonic() + 60
-    while not discovery.exists():
-        assert time.monotonic() < deadline, f"Ray never wrote {discovery}"
-        time.sleep(1)
-    config = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = "1s"
-    sd = config["scrape_configs"][0]["file_sd_configs"][0]
-    assert sd["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]  # Ray's default temp dir
-    sd["files"], sd["refresh_interval"] = [str(discovery)], "2s"
-    with prometheus_server(config) as url:
-        yield url
 
 
 def query(url: str, expr: str) -> list[dict]:
@@ -59,27 +34,26 @@ def wait_for_value(url: str, expr: str, timeout_s: float = 60) -> float:
 
 
 @pytest.fixture(scope="module")
-def trained(prometheus, tmp_path_factory):
-    store = tmp_path_factory.mktemp("monitoring")
-    spec = digits_spec(store, f"train.epochs={EPOCHS}", "train.run_name=monitored", "track.gate.require=[]")
-    return spec, run_training(spec)
+def trained(prometheus, digits_champion):
+    # The session's champion run (tests/conftest.py), trained while `prometheus` scraped the cluster.
+    return digits_champion.spec, digits_champion.outcome
 
 
 def test_training_metrics_reach_prometheus(prometheus, trained):
     spec, outcome = trained
     run = f'run="{outcome.run_name}"'
     # Per-rank throughput, summed over ranks: positive and of the order the run itself reported.
-    throughput = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_per_s{{{run}}}))[10m:1s])")
+    throughput = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_per_s{{{run}}}))[1h:1s])")
     best_epoch = max(m["samples_per_s"] for m in outcome.history)
     assert 0 < throughput < 3 * best_epoch, (throughput, best_epoch)
     # Samples counted by the ranks: at least one exported epoch, never more than the run processed.
-    samples = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_total{{{run}}}))[10m:1s])")
-    assert 0 < samples <= EPOCHS * 1445, samples  # 1445 train rows per epoch
-    loss = wait_for_value(prometheus, f"min_over_time((avg by (run) (ray_flotilla_train_loss{{{run}}}))[10m:1s])")
+    samples = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_total{{{run}}}))[1h:1s])")
+    assert 0 < samples <= spec.train.epochs * 1445, samples  # 1445 train rows per epoch
+    loss = wait_for_value(prometheus, f"min_over_time((avg by (run) (ray_flotilla_train_loss{{{run}}}))[1h:1s])")
     assert 0 < loss < 2.5, loss  # cross-entropy over 10 classes starts near ln(10) = 2.3 and falls
-    steps = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_step_seconds_count{{{run}}}))[10m:1s])")
+    steps = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_step_seconds_count{{{run}}}))[1h:1s])")
     assert steps > 0
-    ranks = query(prometheus, f"count by (run) (last_over_time(ray_flotilla_train_loss{{{run}}}[10m]))")
+    ranks = query(prometheus, f"count by (run) (last_over_time(ray_flotilla_train_loss{{{run}}}[1h]))")
     assert float(ranks[0]["value"][1]) == spec.train.num_workers
 
 
@@ -130,7 +104,7 @@ def check_dashboard_queries(url: str) -> None:
 
     while True:
         for title, expr in queries:
-            if query(url, f"last_over_time(({expr})[10m:5s])"):  # raises on a query Prometheus rejects
+            if query(url, f"last_over_time(({expr})[1h:5s])"):  # raises on a query Prometheus rejects
                 with_data.add(title)
         if complete() or time.monotonic() > deadline:
             break
