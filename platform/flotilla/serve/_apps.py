@@ -31,6 +31,15 @@ def deploy_apps(config_path: str | Path, *, address: str | None = None, working_
     """Deploy the Serve config at `config_path`; {application: its URL} once every one runs."""
     config = _read_config(Path(config_path))
     address = address or os.environ.get("RAY_DASHBOARD_ADDRESS") or DEFAULT_ADDRESS
+    from ray.exceptions import AuthenticationError
+
+    try:
+        return _deploy(config, config_path, address, working_dir, timeout_s, say)
+    except AuthenticationError as e:  # Ray's message says where the token goes
+        raise ClusterError(f"the Ray dashboard at {address} refused the request: {e}") from None
+
+
+def _deploy(config: dict, config_path, address: str, working_dir, timeout_s: float, say) -> dict[str, str]:
     client = _client(address)
     ship = os.environ.get("FLOTILLA_SHIP_PACKAGE", "1") != "0"
     deployed_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
