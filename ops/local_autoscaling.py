@@ -111,8 +111,8 @@ class LocalCluster:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes
-            try:  # ...taking ~30 s when left to itself; what is left after 10 s is killed below
-                self.proc.wait(timeout=10)
+            try:  # ...taking ~30 s when left to itself; what is left after 5 s is killed below
+                self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         # Worker nodes were started by the autoscaler, not by `ray start`: find them by name.

@@ -49,6 +49,13 @@ def pytest_xdist_make_scheduler(config, log):
     return Lanes(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    """test_serve_haproxy.py runs last: HAProxy ingress is chosen when Ray starts, so the module
+    shuts the session's Ray down for one of its own, and every module after it would start the
+    session's Ray again (~15 s). Otherwise the order is the files' (a stable sort)."""
+    items.sort(key=lambda item: "test_serve_haproxy.py" in item.nodeid)
+
+
 _EXIT_STATUS = pytest.StashKey[int]()
 
 

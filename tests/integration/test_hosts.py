@@ -254,7 +254,7 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
     # Steady load from the client host at the head's address while a replica's host dies.
     result = Path(hosts.shared) / "load.json"
     load = hosts.spawn("client", ["python", str(ROOT / "tests" / "integration" / "_load.py"), f"{url}/predict",
-                                  "--seconds", "25", "--concurrency", "4", "--out", str(result)],
+                                  "--seconds", "18", "--concurrency", "4", "--out", str(result)],
                        Path(hosts.shared) / "load.log")
     time.sleep(8)
     killed_at = time.time()
