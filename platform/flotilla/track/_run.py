@@ -176,6 +176,17 @@ class Tracker:
         except Exception:  # the original error matters more than this one
             pass
 
+    def stopped(self, resources=None) -> None:
+        """The run was stopped from outside (a sweep's scheduler ended its trial): KILLED, not FAILED."""
+        if self.run_id is None:
+            return
+        try:
+            if resources is not None:
+                self.log_resources(resources)
+            self.client.set_terminated(self.run_id, "KILLED")
+        except Exception:  # the sweep's driver marks it too when the sweep ends
+            pass
+
     def log_resources(self, use) -> None:
         """CPU-hours, GPU-hours, wall time and the estimated cost (a `flotilla.cluster.ResourceUse`)."""
         log_resources(self.client, self.run_id, use)

@@ -129,10 +129,17 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
             callbacks = ([epoch_logger] if epoch_logger else []) + ([TuneReportCallback()] if in_trial else [])
             checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
     except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
+        use = run_resources(spec, time.monotonic() - fit_started)
+        if in_trial and isinstance(e, SystemExit) and not e.code:
+            # Tune stopped this trial (ASHA): its `report` ends the trial's training thread with
+            # SystemExit(0). The MLflow run says KILLED, as the sweep's driver records it.
+            print(f"[{run_name}] stopped by the sweep's scheduler; {use.describe()}", flush=True)
+            if tracker is not None:
+                tracker.stopped(use)
+            raise
         error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
         if isinstance(error, Exception) and not isinstance(error, FlotillaError):
             error = TrainingError(f"training failed: {summarize(error)}")
-        use = run_resources(spec, time.monotonic() - fit_started)
         print(f"[{run_name}] {use.describe()}", flush=True)
         if tracker is not None:
             tracker.fail(error, use)
