@@ -116,6 +116,13 @@ print(json.dumps(sorted(ips[x.node_id] for x in list_actors(address=a, filters=[
 """)
 
 
+def wait_for_a_replica_on_each_worker(hosts, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
+        assert time.monotonic() < deadline, replica_hosts(hosts)
+        time.sleep(2)
+
+
 # ------------------------------------------------------------------ the hosts
 def test_hosts_share_only_the_network_and_the_storage(hosts):
     # Nothing was added to this machine's own interfaces, addresses or routes.
@@ -274,10 +281,7 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
     # Only requests in flight on the dead host may fail: at most one per client thread.
     assert counts["failed"] <= 4, counts
     # The lost replica comes back on the fresh host.
-    deadline = time.monotonic() + 120
-    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
-        assert time.monotonic() < deadline, replica_hosts(hosts)
-        time.sleep(2)
+    wait_for_a_replica_on_each_worker(hosts, timeout=120)
 
 
 def test_promote_then_the_serve_config_file_rolls_the_endpoint_to_the_new_champion(hosts):
@@ -309,10 +313,7 @@ for _ in range(20):
 print(json.dumps(sorted(seen)))
 """)
     assert answered == [[200, "2"]], answered
-    deadline = time.monotonic() + 60  # the replaced app's replicas may still be stopping
-    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
-        assert time.monotonic() < deadline, replica_hosts(hosts)
-        time.sleep(2)
+    wait_for_a_replica_on_each_worker(hosts, timeout=60)  # the replaced app's replicas may still be stopping
 
 
 def test_down_leaves_nothing_behind(hosts):
