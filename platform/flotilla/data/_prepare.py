@@ -110,7 +110,8 @@ def prepare_data(spec: RunSpec) -> PreparedData:
             if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
                 step.fit(train)
         if label_step is not None:
-            mapping, train_rows = _fit_label_encoder(label_step, train, label, source)
+            mapping, train_rows, val_rows = _fit_label_encoder(label_step, ds, label, d.split_seed, d.val_fraction,
+                                                               source)
             fields["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
             fields["num_classes"] = len(mapping)
         schema = DataSchema(**fields)
@@ -127,9 +128,8 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         # Preprocessed once into the object store (not the driver): epochs then cost only
         # the training, not a re-read and re-transform on the same cores.
         train, val = train.materialize(), val.materialize()
-    if text or label_step is None:  # (a classification's label fit counted the training rows)
-        train_rows = train.count()
-    val_rows = val.count()
+    if text or label_step is None:  # (a classification's label fit counted both sides' rows)
+        train_rows, val_rows = train.count(), val.count()
     unit = "context windows" if text else "rows"
     if train_rows == 0:
         raise DataError(
@@ -157,15 +157,19 @@ def prepare_data(spec: RunSpec) -> PreparedData:
     )
 
 
-def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, source) -> tuple[dict[Any, int], int]:
-    """Fit `step` as Ray's own `fit` would (classes sorted, index = position) in one pass that also
-    counts the rows (a source too big to cache is not read again for `count()`): each block lists
-    its labels as one JSON string. (Ray's fit collects value counts as dicts keyed by label,
-    which Arrow cannot hold for integer labels, so each block falls back to pickled objects and
-    says so; Ray Data's `unique` is a shuffle, with an actor per partition.)"""
-    per_block = train.map_batches(_labels_of_block, batch_format="pandas", batch_size=None,
-                                  fn_kwargs={"label": label}).take_all()
+def _fit_label_encoder(step: LabelEncoder, ds: ray.data.Dataset, label: str, seed: int, val_fraction: float,
+                       source) -> tuple[dict[Any, int], int, int]:
+    """Fit `step` on the training rows of `ds` as Ray's own `fit` would (classes sorted, index =
+    position), in one pass over the whole source that also counts the rows of both sides: a
+    source too big to cache is read once here, not again for two `count()`s. Each block splits
+    itself as `split_rows` does and lists its training labels as one JSON string. (Ray's fit
+    collects value counts as dicts keyed by label, which Arrow cannot hold for integer labels,
+    so each block falls back to pickled objects and says so; Ray Data's `unique` is a shuffle,
+    with an actor per partition.) The class mapping, the training rows, the validation rows."""
+    per_block = ds.map_batches(_labels_of_block, batch_format="pandas", batch_size=None,
+                               fn_kwargs={"label": label, "seed": seed, "val_fraction": val_fraction}).take_all()
     rows = sum(int(row["rows"]) for row in per_block)
+    val_rows = sum(int(row["val_rows"]) for row in per_block)
     values = sorted({v for row in per_block for v in json.loads(row["labels"])}, key=_sort_key)
     if any(v is None or (isinstance(v, float) and v != v) for v in values):
         raise DataError(f"label column {label!r} of {source.description!r} has missing values; "
@@ -173,12 +177,14 @@ def _fit_label_encoder(step: LabelEncoder, train: ray.data.Dataset, label: str, 
     mapping = {v: i for i, v in enumerate(values)}
     step._set_stats(stats={f"unique_values({label})": mapping})
     step._fitted = True
-    return mapping, rows
+    return mapping, rows, val_rows
 
 
-def _labels_of_block(df: pd.DataFrame, label: str) -> pd.DataFrame:
-    values = [v.item() if hasattr(v, "item") else v for v in df[label].unique()]
-    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])], "rows": [len(df)]})
+def _labels_of_block(df: pd.DataFrame, label: str, seed: int, val_fraction: float) -> pd.DataFrame:
+    train = split_rows(df, seed, val_fraction, "train")
+    values = [v.item() if hasattr(v, "item") else v for v in train[label].unique()]
+    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])], "rows": [len(train)],
+                         "val_rows": [len(df) - len(train)]})
 
 
 def _sort_key(value: Any) -> tuple:
