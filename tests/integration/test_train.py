@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +21,9 @@ pytestmark = pytest.mark.integration
 
 
 # Every ZeRO stage trains and consolidates fp32 weights that reproduce the engine's outputs:
-# stage 0 in test_bad_input (the CSV run), stage 1 in the torn-checkpoint test, stage 2 (the
-# default) on the session's default run (test_track), stage 3 in the killed-worker test. Each of
-# those runs checks it besides its own subject, so no run is spent on the stage alone.
+# stage 0 in test_bad_input (the CSV run), stage 1 in test_streaming, stage 2 (the default) on the
+# session's default run (test_track), stage 3 in the killed-worker run here. Each of those runs
+# checks it besides its own subject, so no run is spent on the stage alone.
 def _assert_trained_and_consolidated(outcome, stage: int) -> None:
     first, last = outcome.history[0], outcome.history[-1]
     assert last["train_loss"] < first["train_loss"] and last["val_loss"] < first["val_loss"]
@@ -57,8 +59,20 @@ def _train_worker_pids() -> list[int]:
     return [p.pid for p in own_ray_processes("ray::RayTrainWorker")]
 
 
-def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
-    spec = digits_spec(tmp_path, "train.epochs=4", "train.run_name=faulty", "train.max_failures=2", "train.precision=fp32",
+@dataclass
+class FaultyRun:
+    storage: Path
+    spec: object
+    outcome: object
+    killed: list[int]
+
+
+@pytest.fixture(scope="module")
+def faulty_run(ray_cluster, tmp_path_factory) -> FaultyRun:
+    """A ZeRO-3 run of 4 epochs that loses a worker after its first checkpoint (and recovers);
+    the torn-checkpoint test then continues it under the same name."""
+    storage = tmp_path_factory.mktemp("faulty")
+    spec = digits_spec(storage, "train.epochs=4", "train.run_name=faulty", "train.max_failures=2", "train.precision=fp32",
                        "train.zero_stage=3")
     killed: list[int] = []
 
@@ -67,7 +81,7 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
         while time.monotonic() < deadline and not killed:
             # Kill once Ray Train has registered the epoch-1 checkpoint (it is in the snapshot the
             # controller writes), not merely when its files appear.
-            snapshot = tmp_path / "faulty" / "checkpoint_manager_snapshot.json"
+            snapshot = storage / "faulty" / "checkpoint_manager_snapshot.json"
             if snapshot.exists() and "checkpoint_epoch0001" in snapshot.read_text():
                 pids = _train_worker_pids()
                 if pids:
@@ -80,7 +94,12 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     killer.start()
     outcome = run_training(spec)
     killer.join(timeout=5)
-    assert killed, "the test never killed a worker"
+    return FaultyRun(storage, spec, outcome, killed)
+
+
+def test_killed_worker_resumes_from_last_checkpoint(faulty_run):
+    spec, outcome = faulty_run.spec, faulty_run.outcome
+    assert faulty_run.killed, "the test never killed a worker"
     epochs = [m["epoch"] for m in outcome.history]
     assert epochs == [1, 2, 3, 4]
     resumed = [m for m in outcome.history if "resumed_from_step" in m]
@@ -103,26 +122,27 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
         outcome.history[-1]["val_accuracy"], abs=2 / len(labels))
 
 
-def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(ray_cluster, tmp_path):
-    stage1 = ("train.run_name=resumable", "train.precision=fp32", "train.zero_stage=1")
-    first = run_training(digits_spec(tmp_path, "train.epochs=2", *stage1))
-    latest = sorted((tmp_path / "resumable").glob("checkpoint_epoch0002_*"))[-1]
+def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run):
+    first, storage = faulty_run.outcome, faulty_run.storage
+    latest = sorted((storage / "faulty").glob("checkpoint_epoch0004_*"))[-1]
     shard = next(latest.glob("ds/*zero_pp_rank_1_*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[:100])  # rank 1 "died" mid-write
 
-    # Same name, one more epoch: the torn epoch-2 checkpoint is skipped, epoch 1's is used.
-    second = run_training(digits_spec(tmp_path, "train.epochs=3", *stage1))
-    assert [m["epoch"] for m in second.history] == [1, 2, 3]
-    resumed = [m for m in second.history if "resumed_from_step" in m]
-    assert resumed[0]["epoch"] == 2
-    assert resumed[0]["resumed_from_step"] == first.history[0]["global_step"]
-    assert second.history[-1]["global_step"] == 3 * first.history[0]["global_step"]
+    # Same name, one more epoch: the torn epoch-4 checkpoint is skipped, epoch 3's is used.
+    second = run_training(digits_spec(storage, "train.epochs=5", "train.run_name=faulty", "train.max_failures=2",
+                                      "train.precision=fp32", "train.zero_stage=3"))
+    assert [m["epoch"] for m in second.history] == [1, 2, 3, 4, 5]
+    resumed = [m for m in second.history if "resumed_from_step" in m and m["epoch"] > 3]
+    assert resumed[0]["epoch"] == 4
+    per_epoch = first.history[0]["global_step"]
+    assert resumed[0]["resumed_from_step"] == 3 * per_epoch
+    assert second.history[-1]["global_step"] == 5 * per_epoch
     # The same name continues the same MLflow run; the changed epoch count is recorded.
     client, runs = mlflow_runs(second.tracking_uri)
     assert [r.info.run_id for r in runs] == [first.mlflow_run_id] == [second.mlflow_run_id]
-    assert metric_steps(client, second.mlflow_run_id) == [1, 2, 3]
-    assert runs[0].data.params["train.epochs"] == "2"
-    assert runs[0].data.tags["flotilla.changed.train.epochs"] == "2 -> 3"
+    assert metric_steps(client, second.mlflow_run_id) == [1, 2, 3, 4, 5]
+    assert runs[0].data.params["train.epochs"] == "4"
+    assert runs[0].data.tags["flotilla.changed.train.epochs"] == "4 -> 5"
     versions = client.search_model_versions("name = 'digits'")
     assert sorted(int(v.version) for v in versions) == [1, 2]  # each successful run registers a version
-    _assert_trained_and_consolidated(second, 1)
+    _assert_trained_and_consolidated(second, 3)
