@@ -178,7 +178,7 @@ def digits_champion(_ray_session, prometheus, tmp_path_factory) -> TrainedModel:
 
 
 # The small byte-level GPT of the suite: two layers, activation checkpointing, gradient accumulation.
-GPT_TEST = ["data.max_bytes=150000", "model.layers=2", "model.heads=2", "model.width=64", "model.context=64",
+GPT_TEST = ["data.max_bytes=80000", "model.layers=2", "model.heads=2", "model.width=64", "model.context=64",
             "model.activation_checkpointing=true", "train.epochs=2", "train.batch_size=32", "train.grad_accum=2",
             "train.precision=fp32"]
 
