@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -255,9 +256,10 @@ class Hosts:
         self._wait(lambda: self.run("client", ["ray", "job", "list", "--address", self.jobs_address],
                                     timeout=60).returncode == 0, timeout_s, "the head's jobs API",
                    self.home("head"))
-        for host in self.hosts:
-            if host.name.startswith("worker"):
-                self.start_node(host.name)
+        # The workers boot at once, as a cloud's do.
+        workers = [host.name for host in self.hosts if host.name.startswith("worker")]
+        with ThreadPoolExecutor(len(workers)) as pool:
+            list(pool.map(self.start_node, workers))
         self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes",
                    Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
         health = f"import urllib.request; urllib.request.urlopen({self.tracking_uri + '/health'!r}, timeout=5)"
