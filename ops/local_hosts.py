@@ -225,6 +225,11 @@ class Hosts:
         home = self.home(host)
         home.mkdir(parents=True, exist_ok=True)
         env = {"HOME": str(home), "RAY_HEAD_IP": self.head_address, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": cpus})}
+        if host == "head":
+            # The head's GCS asks each node every second whether it lives (Ray's default: every 3 s), so
+            # a host lost in a test is declared dead after ~5 s instead of ~15 s; until then Ray may
+            # still place a restarted run's workers on it.
+            env["RAY_health_check_period_ms"] = "1000"
         for command in self.start_commands(host):
             done = self.run(host, ["bash", "-c", command], env=env, timeout=300)
             if done.returncode != 0:
