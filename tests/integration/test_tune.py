@@ -76,8 +76,10 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
     cmd = [
         sys.executable, str(ROOT / "tune" / "sweep.py"), "--config", str(SWEEP),
         "--set", f"train.storage_path={tmp_path}", "--set", f"track.uri={uri}", "--set", "tune.name=restorable",
-        "--set", "tune.scheduler=fifo", "--set", "tune.num_samples=2", "--set", "tune.max_concurrent_trials=1",
-        "--set", "train.epochs=3", "--set", "tune.space={train.lr: {choice: [0.003, 0.004]}}",
+        # A short trial, then a long one (~0.3 s an epoch, in the finished trial's process): the
+        # driver is killed once the first has finished and the second has checkpointed an epoch.
+        "--set", "tune.scheduler=fifo", "--set", "tune.num_samples=1", "--set", "tune.max_concurrent_trials=1",
+        "--set", "tune.space={train.epochs: {grid: [2, 12]}}",
     ]
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
     log = open(tmp_path / "first.log", "w")
@@ -119,7 +121,7 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
     # The finished trial was not run again; the interrupted one resumed from its checkpoint.
     assert (finished / "bundle" / "metrics.json").stat().st_mtime == finished_mtime < killed_at
     history = json.loads((second_run / "bundle" / "metrics.json").read_text())["history"]
-    assert [m["epoch"] for m in history] == [1, 2, 3]
+    assert [m["epoch"] for m in history] == list(range(1, 13))
     assert any("resumed_from_step" in m for m in history), history
 
     client, runs = mlflow_runs(uri)
@@ -128,7 +130,8 @@ def test_killed_sweep_driver_resumes_without_rerunning_or_duplicating(ray_cluste
     assert sorted(c.info.run_name for c in children) == sorted({finished.name, second_run.name})
     for child in children:
         assert child.info.status == "FINISHED"
-        assert metric_steps(client, child.info.run_id) == [1, 2, 3]
+        epochs = {finished.name: 2, second_run.name: 12}[child.info.run_name]
+        assert metric_steps(client, child.info.run_id) == list(range(1, epochs + 1))
 
 
 def test_an_erroring_trial_is_retried_and_reported_without_killing_the_sweep(ray_cluster, tmp_path):

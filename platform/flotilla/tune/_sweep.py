@@ -143,6 +143,9 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
                 max_concurrent_trials=slots,
                 time_budget_s=t.time_budget_s,
                 trial_dirname_creator=_trial_dirname,
+                # A finished trial's process (its imports, its torch.distributed group) runs the next
+                # trial that asks for the same resources: no process start-up per trial.
+                reuse_actors=True,
             ),
             run_config=tune.RunConfig(
                 name=name,
