@@ -229,6 +229,39 @@ def test_bad_input_gets_a_clear_4xx_and_never_restarts_a_replica(served):
     assert replica_actors("digits") == before  # no replica restarted
 
 
+def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
+    url = served["classifier"].url + "/predict"
+    gen = served["generator"].url + "/generate"
+    before = replica_actors("digits") + replica_actors("pycode-gpt")
+    json_type = {"content-type": "application/json"}
+
+    def chunked(total: int, piece: int = 8192):  # no Content-Length: the size is known only as it arrives
+        yield b'{"instances": [[0], "'
+        for _ in range(total // piece):
+            yield b"x" * piece
+
+    cases = [
+        ("deep nesting", url, '{"instances": ' + "[" * 5000 + "]" * 5000 + "}", json_type, 400, "nests arrays or objects too deeply"),
+        ("huge integer", url, '{"instances": [[' + "9" * 5000 + "]]}", json_type, 400, "not valid JSON"),
+        ("chunked, too large", url, chunked(300_000), json_type, 413, "over 100000 bytes"),
+        ("form body", url, "instances=1", {"content-type": "application/x-www-form-urlencoded"}, 415, "Content-Type: application/json"),
+        ("text body", gen, '{"prompt": "x"}', {"content-type": "text/plain"}, 415, "Content-Type: application/json"),
+        ("seed beyond int64", gen, json.dumps({"prompt": "x", "seed": 2**64}), json_type, 422, "seed: Input should be less than"),
+        ("top_k beyond int64", gen, json.dumps({"prompt": "x", "top_k": 2**70}), json_type, 422, "top_k: Input should be less than"),
+        ("vanishing temperature", gen, '{"prompt": "x", "temperature": 1e-320}', json_type, 422, "temperature of at least 0.01"),
+    ]
+    wrong = []
+    for what, where, body, headers, status, message in cases:
+        r = requests.post(where, data=body, headers=headers, timeout=60)
+        if r.status_code != status or message not in r.text:
+            wrong.append((what, r.status_code, r.text[:300]))
+    assert not wrong, wrong
+    # The largest seed a generator takes still answers, and so do both endpoints afterwards.
+    assert post(gen, {"prompt": "x", "max_tokens": 2, "seed": 2**63 - 1, "temperature": 0.01}).status_code == 200
+    assert post(url, {"instances": val_rows(served, 1).to_numpy().tolist()}).status_code == 200
+    assert replica_actors("digits") + replica_actors("pycode-gpt") == before  # no replica restarted
+
+
 def test_openapi_docs_and_loopback_binding(served):
     import psutil
 

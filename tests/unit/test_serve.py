@@ -61,10 +61,15 @@ def test_generation_requests_reject_strings_for_numbers_and_negative_settings():
     assert GenerateRequest.model_validate({"prompt": "def "}).max_tokens == 64
     for body, field in [({"prompt": "x", "max_tokens": "5"}, "max_tokens"), ({"prompt": "x", "top_k": -1}, "top_k"),
                         ({"prompt": "x", "temperature": -0.5}, "temperature"), ({"prompt": None}, "prompt"),
-                        ({"prompt": "x", "stream": "yes"}, "stream")]:
+                        ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "seed": 2**63}, "seed"),
+                        ({"prompt": "x", "top_k": 2**64}, "top_k"), ({"prompt": "x", "temperature": 1e-320}, "temperature"),
+                        ({"prompt": "x", "temperature": 0.009}, "temperature")]:
         with pytest.raises(ValidationError) as e:
             GenerateRequest.model_validate(body)
         assert validation_fields(e.value)[0].field == field
+    # The extremes that still sample: torch takes any seed up to 2^63-1; 0 is greedy.
+    for temperature, seed in [(0.0, 2**63 - 1), (0.01, 0), (10.0, None)]:
+        GenerateRequest.model_validate({"prompt": "x", "temperature": temperature, "seed": seed})
 
 
 def test_serve_section_errors_name_the_field_and_the_fix():

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError
+from pydantic import (AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
+                      field_validator)
 
 Number = Annotated[float, Strict(), AllowInfNan(False)]
+INT64_MAX = 2**63 - 1  # what a seed or a count may be: torch takes 64-bit integers
+MIN_TEMPERATURE = 0.01
 
 
 def _instance_form(value: Any) -> str | None:
@@ -55,14 +58,26 @@ class GenerateRequest(_Body):
 
     prompt: Annotated[str, Strict()] = Field(..., max_length=100_000, description="The text to continue.")
     max_tokens: Annotated[int, Strict()] = Field(64, ge=1, description="Tokens (bytes) to generate.")
-    temperature: Number = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy.")
-    top_k: Annotated[int, Strict()] = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 is off.")
+    temperature: Number = Field(
+        1.0, ge=0.0, le=10.0, description=f"Sampling temperature: 0 is greedy, else {MIN_TEMPERATURE} to 10."
+    )
+    top_k: Annotated[int, Strict()] = Field(
+        0, ge=0, le=INT64_MAX, description="Sample among the k likeliest tokens; 0 is off."
+    )
     seed: Optional[Annotated[int, Strict()]] = Field(
-        None, ge=0, description="Seed of the sampler: the same seed and prompt give the same text."
+        None, ge=0, le=INT64_MAX, description="Seed of the sampler: the same seed and prompt give the same text."
     )
     stream: Annotated[bool, Strict()] = Field(
         False, description="Stream tokens as server-sent events (`data: {\"text\": ...}`) as they are produced."
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_vanishing(cls, value: float) -> float:
+        # Logits divided by a temperature near 0 overflow to infinity and sampling breaks down.
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"use 0 for greedy decoding, or a temperature of at least {MIN_TEMPERATURE}")
+        return value
 
 
 class GenerateResponse(_Body):

@@ -74,7 +74,12 @@ def _body_schema(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema_of(model)}}}}
 
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 422, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 503, 504)}
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def load_version(model: str, version: str, tracking_uri: str):
@@ -173,16 +178,28 @@ class _ModelServer:
         return self.split.pick(caller)
 
     async def read_body(self, request: Request, schema):
+        """The request's JSON body validated against `schema`; its size, type and depth are bounded
+        before any of it is parsed (413, 415, 400), and what fails the schema is a 422."""
+        kind = request.headers.get("content-type")
+        if kind is not None and not _is_json(kind):
+            raise ApiError(415, f"request body is {kind.split(';')[0].strip() or 'untyped'}; send JSON with the "
+                                "header `Content-Type: application/json`")
         declared = request.headers.get("content-length")
         limit = self.limits.max_body_bytes
         if declared and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise ApiError(413, f"request body is {len(raw)} bytes; this endpoint accepts at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a chunked body declares no length: count as it arrives
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
+            chunks.append(chunk)
         try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            obj = json.loads(b"".join(chunks))
+        except RecursionError:  # the parser recurses per level; the schemas allow 3 ({"instances": [[...]]})
+            raise ApiError(400, f"request body nests arrays or objects too deeply; send a JSON object like "
+                                f"{self.example}") from None
+        except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of thousands of digits
             raise ApiError(400, f"request body is not valid JSON: {e}; send a JSON object like {self.example}") from None
         try:
             return schema.model_validate(obj)
