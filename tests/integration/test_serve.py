@@ -404,15 +404,35 @@ def test_a_full_queue_answers_503_and_a_slow_request_504(served):
     spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
         f"train.storage_path={served['store']}", f"track.uri={store_uri(served['store'])}",
         f"serve.port={served['port']}", *SERVE_TEST, "serve.max_ongoing_requests=1", "serve.max_queued_requests=1",
-        "serve.batching.max_batch_size=1", "serve.request_timeout_s=0.05", "serve.autoscaling.max_replicas=1"])
+        "serve.batching.max_batch_size=1", "serve.request_timeout_s=0.05", "serve.autoscaling.max_replicas=1",
+        "serve.max_new_tokens=3000"])
     url = deploy(plan_deployment(spec)).url + "/generate"
-    slow = {"prompt": "def ", "max_tokens": 200, "temperature": 0.0}
+    slow = {"prompt": "def ", "max_tokens": 3000, "temperature": 0.0}
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: post(url, slow), range(8)))
     statuses = Counter(r.status_code for r in answers)
     assert statuses[503] >= 1 and set(statuses) <= {200, 503, 504}, statuses
     assert "backpressure" in next(r.text for r in answers if r.status_code == 503).lower()
-    assert statuses[504] >= 1, statuses  # 200 tokens, one forward pass each, take longer than 50 ms
+    assert statuses[504] >= 1, statuses  # 3000 tokens, one forward pass each, take longer than 50 ms
     timed_out = next(r for r in answers if r.status_code == 504).json()
     assert "took longer than 0.05 s (serve.request_timeout_s)" in timed_out["error"]
+    # A timed-out generation stops after its current token instead of running on to 3000 tokens
+    # (seconds of a core each): once the answers are in, the replica idles.
+    import psutil
+    from ray.util.state import list_actors
+
+    (replica,) = [a for a in list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.class_name.startswith("ServeReplica:pycode-gpt:")]
+    process = psutil.Process(replica.pid)
+    time.sleep(0.5)
+    before = sum(process.cpu_times()[:2])
+    time.sleep(3)
+    assert sum(process.cpu_times()[:2]) - before < 0.5, "the replica kept generating after answering 504"
+    # A stream past its deadline ends with an error event instead of running on.
+    with requests.post(url, json={**slow, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines(decode_unicode=True))
+    assert "event: error" in lines and "data: [DONE]" not in lines, lines[-5:]
+    error = json.loads(next(line for line in lines[lines.index("event: error"):] if line.startswith("data: "))[6:])
+    assert error["status"] == 504 and "serve.request_timeout_s" in error["error"], error
     assert post(url, {"prompt": "def ", "max_tokens": 1}).status_code in (200, 504)  # still answering

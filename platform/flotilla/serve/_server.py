@@ -19,6 +19,7 @@ import collections
 import json
 import logging
 import random
+import threading
 import time
 from typing import Any
 
@@ -77,6 +78,11 @@ def _body_schema(model) -> dict:
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 503, 504)}
 
 
+def _error_event(status: int, message: str) -> str:
+    """A server-sent event that ends a stream whose headers (200) are already sent."""
+    return f"event: error\ndata: {json.dumps({'error': message, 'status': status})}\n\n"
+
+
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";")[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
@@ -124,6 +130,7 @@ class _ModelServer:
         self.m_batch = Histogram("flotilla_batch_size", "Requests per batched forward pass.", BATCH_SIZES, tags)
         self.m_shadow = Counter("flotilla_shadow_requests", "Requests mirrored to a shadow version.", tags + ("agree",))
         self.m_shadow_latency = Histogram("flotilla_shadow_latency_ms", "Shadow forward latency (ms).", LATENCY_MS, tags)
+        self.m_tokens = Counter("flotilla_generated_tokens", "Tokens (bytes) generated, by version.", tags)
 
     # ------------------------------------------------------------------ versions
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -420,19 +427,62 @@ class Generator(_ModelServer):
             if body.stream:
                 return version, StreamingResponse(self._events(bundle, version, body.prompt, kwargs),
                                                   media_type="text/event-stream", headers=headers)
-            text = await self.with_timeout(asyncio.to_thread(bundle.generate, body.prompt, **kwargs), "generation")
+            text = await self.with_timeout(self._generate(bundle, version, body.prompt, kwargs), "generation")
             return version, JSONResponse({"model": self.model_name, "version": version, "text": text}, headers=headers)
 
         return await self.answer(request, handle)
 
+    async def _generate(self, bundle, version: str, prompt: str, kwargs: dict) -> str:
+        """The whole text, generated in a thread that stops after its current token once this
+        request is over: answered, timed out (504) or cancelled because its client went away."""
+        stop = threading.Event()
+
+        def run() -> str:
+            pieces = []
+            try:
+                for piece in bundle.generate_stream(prompt, **kwargs):
+                    pieces.append(piece)
+                    if stop.is_set():
+                        break
+            finally:
+                if pieces:
+                    self.m_tokens.inc(len(pieces), tags={"model": self.model_name, "version": version})
+            return "".join(pieces)
+
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            stop.set()
+
     async def _events(self, bundle, version: str, prompt: str, kwargs: dict):
-        """Server-sent events: one `data: {"text": piece}` per decoded piece, then `data: [DONE]`."""
+        """Server-sent events: one `data: {"text": piece}` per decoded piece, then `data: [DONE]`.
+
+        A piece is generated only when the previous one was sent, so a client that goes away stops
+        the generation. A stream past `serve.request_timeout_s`, or whose generation fails, ends
+        with one `event: error` (`data: {"error": ..., "status": ...}`) instead of `[DONE]`."""
         pieces = bundle.generate_stream(prompt, **kwargs)
         start = time.perf_counter()
-        while True:
-            piece = await asyncio.to_thread(next, pieces, None)
-            if piece is None:
-                break
-            yield f"data: {json.dumps({'text': piece})}\n\n"
-        self.m_forward.observe((time.perf_counter() - start) * 1000, tags={"model": self.model_name, "version": version})
+        timeout = self.limits.request_timeout_s
+        tags = {"model": self.model_name, "version": version}
+        count = 0
+        try:
+            while True:
+                if time.perf_counter() - start > timeout:
+                    yield _error_event(504, f"generation took longer than {timeout:g} s (serve.request_timeout_s); "
+                                            f"ask for fewer max_tokens")
+                    return
+                piece = await asyncio.to_thread(next, pieces, None)
+                if piece is None:
+                    break
+                count += 1
+                yield f"data: {json.dumps({'text': piece})}\n\n"
+        except Exception as e:  # the headers are sent: the stream itself says what went wrong
+            logger.exception("stream of %s v%s failed", self.model_name, version)
+            yield _error_event(500, f"generation failed ({type(e).__name__}); see the replica log")
+            return
+        finally:
+            if count:
+                self.m_tokens.inc(count, tags=tags)
+        self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
         yield "data: [DONE]\n\n"
+
