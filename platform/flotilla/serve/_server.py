@@ -185,8 +185,8 @@ class _ModelServer:
         return self.split.pick(caller)
 
     async def read_body(self, request: Request, schema):
-        """The request's JSON body validated against `schema`; its size, type and depth are bounded
-        before any of it is parsed (413, 415, 400), and what fails the schema is a 422."""
+        """The request's JSON body validated against `schema`: a wrong type (415) or size (413) is
+        refused before parsing, JSON too deep or malformed gets 400, what fails the schema 422."""
         kind = request.headers.get("content-type")
         if kind is not None and not _is_json(kind):
             raise ApiError(415, f"request body is {kind.split(';')[0].strip() or 'untyped'}; send JSON with the "
@@ -445,14 +445,17 @@ class Generator(_ModelServer):
                     if stop.is_set():
                         break
             finally:
-                if pieces:
-                    self.m_tokens.inc(len(pieces), tags={"model": self.model_name, "version": version})
+                self._count_tokens(version, len(pieces))
             return "".join(pieces)
 
         try:
             return await asyncio.to_thread(run)
         finally:
             stop.set()
+
+    def _count_tokens(self, version: str, count: int) -> None:
+        if count:  # Ray's counters take only positive increments
+            self.m_tokens.inc(count, tags={"model": self.model_name, "version": version})
 
     async def _events(self, bundle, version: str, prompt: str, kwargs: dict):
         """Server-sent events: one `data: {"text": piece}` per decoded piece, then `data: [DONE]`.
@@ -481,8 +484,7 @@ class Generator(_ModelServer):
             yield _error_event(500, f"generation failed ({type(e).__name__}); see the replica log")
             return
         finally:
-            if count:
-                self.m_tokens.inc(count, tags=tags)
+            self._count_tokens(version, count)
         self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
         yield "data: [DONE]\n\n"
 
