@@ -230,6 +230,12 @@ class Hosts:
             # a host lost in a test is declared dead after ~5 s instead of ~15 s; until then Ray may
             # still place a restarted run's workers on it.
             env["RAY_health_check_period_ms"] = "1000"
+        else:
+            # Ray keeps at most as many idle worker processes as a node has CPUs. When a restarted run
+            # puts both its ranks on one 2-CPU host, each epoch's small Ray Data task (equalizing the
+            # ranks' shards) then found no idle process and started a fresh one: seconds of CPU an
+            # epoch beside the ranks, and a 2x slower run. Two spare processes stay instead.
+            env["RAY_num_workers_soft_limit"] = str(cpus + 2)
         for command in self.start_commands(host):
             done = self.run(host, ["bash", "-c", command], env=env, timeout=300)
             if done.returncode != 0:
