@@ -289,7 +289,7 @@ def test_asking_for_haproxy_on_a_cluster_started_without_it_says_how_to_start_it
 
 
 def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
-    redeploy(served, "serve.shadow.target=candidate", "serve.shadow.percent=100")
+    redeploy(served, "serve.shadow.target=candidate", "serve.shadow.percent=100", "serve.shadow.max_in_flight=1")
     url = served["classifier"].url + "/predict"
     body = {"instances": val_rows(served, 2).to_numpy().tolist()}
     with ThreadPoolExecutor(32) as pool:
@@ -307,7 +307,13 @@ def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
     requests_in_batches = metric_sum(text, "ray_flotilla_batch_size_sum", version="1")
     assert requests_in_batches / batches > 1.0  # mean batch size: concurrent requests shared forwards
     assert metric_sum(text, "ray_flotilla_requests_total", version="1", status="200") >= 160
-    assert metric_sum(text, "ray_flotilla_forward_latency_ms_count", version="2") > 0  # the shadow ran
+    # The shadow ran, but only in the replica's idle time: under 32 clients most mirrors were dropped
+    # instead of doubling the model's work.
+    mirrored = {a: metric_sum(text, "ray_flotilla_shadow_requests_total", version="2", agree=a)
+                for a in ("yes", "no", "error", "dropped")}
+    assert mirrored["yes"] + mirrored["no"] >= 1 and mirrored["error"] == 0, mirrored
+    assert mirrored["dropped"] >= 1 and sum(mirrored.values()) == 160, mirrored
+    assert metric_sum(text, "ray_flotilla_batch_size_sum", version="2") < requests_in_batches
 
 
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(served):
@@ -436,3 +442,43 @@ def test_a_full_queue_answers_503_and_a_slow_request_504(served):
     error = json.loads(next(line for line in lines[lines.index("event: error"):] if line.startswith("data: "))[6:])
     assert error["status"] == 504 and "serve.request_timeout_s" in error["error"], error
     assert post(url, {"prompt": "def ", "max_tokens": 1}).status_code in (200, 504)  # still answering
+
+
+def test_a_client_that_goes_away_stops_its_generation(served):
+    import psutil
+    from ray.util.state import list_actors
+
+    from flotilla.serve import deploy, plan_deployment
+
+    spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
+        f"train.storage_path={served['store']}", f"track.uri={store_uri(served['store'])}",
+        f"serve.port={served['port']}", *SERVE_TEST, "serve.autoscaling.max_replicas=1",
+        "serve.max_new_tokens=100000", "serve.request_timeout_s=600"])
+    url = deploy(plan_deployment(spec)).url + "/generate"
+    endless = {"prompt": "def ", "max_tokens": 100000, "temperature": 0.0}  # minutes of a core if left running
+    (replica,) = [a for a in list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.class_name.startswith("ServeReplica:pycode-gpt:")]
+    process = psutil.Process(replica.pid)
+
+    def cpu_seconds_over(seconds: float) -> float:  # a generating replica burns ~1 s of CPU a second
+        time.sleep(0.5)  # the disconnect reaches the replica
+        before = sum(process.cpu_times()[:2])
+        time.sleep(seconds)
+        return sum(process.cpu_times()[:2]) - before
+
+    # A stream whose reader leaves after a few tokens.
+    with requests.post(url, json={**endless, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines(decode_unicode=True):
+            events += line.startswith("data: ")
+            if events == 5:
+                break
+    assert events == 5
+    assert cpu_seconds_over(2) < 0.4, "the replica kept generating for a stream whose client left"
+    # A whole-text request whose client gives up before the answer.
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(url, json=endless, timeout=2)
+    assert cpu_seconds_over(2) < 0.4, "the replica kept generating for a request whose client left"
+    answer = post(url, {"prompt": "def ", "max_tokens": 5, "temperature": 0.0})
+    assert answer.status_code == 200 and len(answer.json()["text"]) > 0, answer.text

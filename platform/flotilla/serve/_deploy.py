@@ -115,7 +115,8 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
         version = resolve(spec.serve.shadow.target, "serve.shadow.target")
         if not spec.serve.shadow.target.isdigit():
             aliases.setdefault(version, []).append(spec.serve.shadow.target)
-        shadow = ShadowTarget(version=version, percent=spec.serve.shadow.percent)
+        shadow = ShadowTarget(version=version, percent=spec.serve.shadow.percent,
+                              max_in_flight=spec.serve.shadow.max_in_flight)
     kinds = {v: _version_kind(client, name, v) for v in set(traffic) | ({shadow.version} if shadow else set())}
     if len(set(kinds.values())) > 1:
         raise ServeError(f"{name}: the versions to serve are of different kinds {kinds}; one endpoint serves one kind")

@@ -19,6 +19,7 @@ class ShadowTarget(_Strict):
 
     version: str
     percent: float = Field(gt=0, le=100)
+    max_in_flight: int = Field(2, ge=1)  # mirrored forwards at once; more are dropped
 
 
 class ReplicaConfig(_Strict):

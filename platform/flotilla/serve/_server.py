@@ -115,6 +115,7 @@ class _ModelServer:
         self.max_batch = 32
         self._pending: collections.deque = collections.deque()  # (requests, future) waiting for the model
         self._runner: asyncio.Task | None = None
+        self._mirrors: set[asyncio.Task] = set()  # shadow forwards in flight (held: the loop keeps weak refs)
         # Serve warns when max_batch_size x max_concurrent_batches exceeds max_ongoing_requests; here
         # the concurrent "batches" are groups queued for one merged forward pass, so the sum is no limit.
         logging.getLogger("ray.serve").addFilter(lambda record: "max_concurrent_batches" not in record.getMessage())
@@ -128,7 +129,8 @@ class _ModelServer:
         self.m_latency = Histogram("flotilla_request_latency_ms", "Request latency in the replica (ms).", LATENCY_MS, tags)
         self.m_forward = Histogram("flotilla_forward_latency_ms", "Model forward pass latency (ms).", LATENCY_MS, tags)
         self.m_batch = Histogram("flotilla_batch_size", "Requests per batched forward pass.", BATCH_SIZES, tags)
-        self.m_shadow = Counter("flotilla_shadow_requests", "Requests mirrored to a shadow version.", tags + ("agree",))
+        self.m_shadow = Counter("flotilla_shadow_requests", "Requests chosen for mirroring to the shadow version, by "
+                                "outcome: agree yes/no, error, or dropped (the replica was busy).", tags + ("agree",))
         self.m_shadow_latency = Histogram("flotilla_shadow_latency_ms", "Shadow forward latency (ms).", LATENCY_MS, tags)
         self.m_tokens = Counter("flotilla_generated_tokens", "Tokens (bytes) generated, by version.", tags)
 
@@ -280,7 +282,7 @@ class Classifier(_ModelServer):
             if bundle.classes is not None:
                 payload["classes"] = bundle.classes
             if self.shadow and random.random() * 100 < self.shadow.percent:
-                asyncio.get_running_loop().create_task(self._mirror(rows, out["predictions"]))
+                self._maybe_mirror(rows, out["predictions"])
             return version, JSONResponse(payload, headers={VERSION_HEADER: version})
 
         return await self.answer(request, handle)
@@ -371,9 +373,20 @@ class Classifier(_ModelServer):
                 offset += n
         return results
 
-    async def _mirror(self, rows: np.ndarray, primary: list) -> None:
+    def _maybe_mirror(self, rows: np.ndarray, primary: list) -> None:
+        """Mirror a request to the shadow version only with the model idle and fewer than
+        `max_in_flight` mirrors running; otherwise count it as dropped. The shadow takes idle time
+        only: under load it thins out instead of doubling the replica's work."""
+        shadow = self.shadow
+        if len(self._mirrors) >= shadow.max_in_flight or self._pending:
+            self.m_shadow.inc(tags={"model": self.model_name, "version": shadow.version, "agree": "dropped"})
+            return
+        task = asyncio.get_running_loop().create_task(self._mirror(shadow.version, rows, primary))
+        self._mirrors.add(task)
+        task.add_done_callback(self._mirrors.discard)
+
+    async def _mirror(self, version: str, rows: np.ndarray, primary: list) -> None:
         """Shadow mode: the same rows through the shadow version; its answer is logged, not returned."""
-        version = self.shadow.version
         bundle = self.bundles.get(version)
         if bundle is None:
             return

@@ -64,6 +64,10 @@ class ShadowSpec(_Section):
 
     target: str = Field(..., description="Alias or version that receives the mirrored requests, e.g. `candidate`.")
     percent: float = Field(100, gt=0, le=100, description="Share of requests mirrored, in percent.")
+    max_in_flight: int = Field(
+        2, ge=1, description="Mirrored forward passes running at once per replica. A request is not mirrored "
+        "(counted as `dropped`) while that many run or while requests wait for the model: the shadow "
+        "only uses a replica's idle time and never doubles its load.")
 
     @field_validator("target")
     @classmethod
