@@ -65,3 +65,23 @@ def own_ray_processes(prefix: str) -> list:
         except psutil.Error:
             pass
     return found
+
+
+def plant_code(uri: str, directory: Path, model: str = "digits", version: str = "1") -> tuple[str, Path]:
+    """What anyone with write access to the registry at `uri` can do: register a new version of
+    `model` made of `version`'s files, its pyfunc code extended to write a marker file whenever it
+    runs. The new version, and the marker's path (absent until the planted code runs)."""
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    client = MlflowClient(uri)
+    files = Path(download_artifacts(artifact_uri=client.get_model_version_download_uri(model, version),
+                                    dst_path=str(directory / "planted"), tracking_uri=uri))
+    marker = directory / "planted-code-ran"
+    code = files / "bundle_pyfunc.py"
+    code.write_text(code.read_text() + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    run = client.create_run(client.get_experiment_by_name(model).experiment_id, run_name="planted")
+    client.log_artifacts(run.info.run_id, str(files), "model")
+    client.set_terminated(run.info.run_id)
+    planted = client.create_model_version(model, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
+    return str(planted.version), marker

@@ -1,7 +1,9 @@
 """MLflow tracking and the registry on a real SQLite store, after real training runs.
 
-One store for the module: the default config's run becomes `champion` (v1); a weaker run then
-registers v2, which the gate keeps at `candidate`; promotion and rollback move `champion`.
+One store for the module: the default config's run becomes `champion` (v1). In copies of it, a
+registry writer's version (v1's files with code planted in its pyfunc) is loaded for serving and
+becomes the champion a weaker run is gated against, without its code running; the weaker run stays
+`candidate`; promotion and rollback move `champion`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import pytest
 from flotilla.bundle import load_bundle
 from flotilla.cli import main
 from flotilla.train import run_training
-from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten
+from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten, set_alias
 
-from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, mlflow_runs
+from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, mlflow_runs, plant_code
 
 pytestmark = pytest.mark.integration
 
@@ -118,26 +120,52 @@ def test_pyfunc_predictions_equal_bundle_predictions(champion):
 
 
 def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champion(digits_champion, tmp_path, capsys):
-    digits_champion.store_copy(tmp_path)  # this test's registry: v1 champion, as trained
+    from mlflow import MlflowClient
+
+    uri = digits_champion.store_copy(tmp_path)  # this test's registry: v1 champion, as trained
+    # The champion the gate compares with is a registry writer's v2: v1's files with code planted
+    # in its pyfunc. The gate reads its bundle files only; the planted code never runs.
+    planted, marker = plant_code(uri, tmp_path)
+    set_alias(MlflowClient(uri), "digits", CHAMPION, planted)
     # Clears the fixed bar, but is worse than the champion on the same validation rows.
     weak = run_training(digits_spec(tmp_path, "train.epochs=1", "train.lr=0.001", "track.gate.require=['val_accuracy >= 0.1']"))
+    assert not marker.exists(), "the gate ran code from the registry"
     client, runs = mlflow_runs(weak.tracking_uri)
     assert len({r.info.run_id for r in runs}) == len(runs) >= 2
     version = client.get_model_version("digits", weak.registration.version)
-    assert weak.registration.version == "2" and version.aliases == [CANDIDATE]
+    assert weak.registration.version == "3" and version.aliases == [CANDIDATE]
     assert version.tags["flotilla.gate"] == "failed"
-    assert "vs champion v1" in version.tags["flotilla.gate.detail"]
+    assert "vs champion v2" in version.tags["flotilla.gate.detail"]
     assert float(version.tags["flotilla.gate.champion_val_accuracy"]) > float(version.tags["flotilla.gate.candidate_val_accuracy"])
-    assert alias_version(client, "digits", CHAMPION) == "1"
-    assert alias_version(client, "digits", CANDIDATE) == "2"
+    assert alias_version(client, "digits", CHAMPION) == "2"
+    assert alias_version(client, "digits", CANDIDATE) == "3"
 
     capsys.readouterr()
-    assert main(["promote", "--model", "digits", "--version", "2", "--tracking-uri", weak.tracking_uri]) == 0
-    assert alias_version(client, "digits", CHAMPION) == "2"
+    assert main(["promote", "--model", "digits", "--version", "3", "--tracking-uri", weak.tracking_uri]) == 0
+    assert alias_version(client, "digits", CHAMPION) == "3"
     assert main(["promote", "--rollback", "--config", str(ROOT / "configs" / "digits.yaml"),
                  "--tracking-uri", weak.tracking_uri]) == 0
-    assert alias_version(client, "digits", CHAMPION) == "1"
+    assert alias_version(client, "digits", CHAMPION) == "2"
     assert capsys.readouterr().out.splitlines() == [
-        "digits@champion: v1 -> v2 (promoted)",
-        "digits@champion: v2 -> v1 (rolled back)",
+        "digits@champion: v2 -> v3 (promoted)",
+        "digits@champion: v3 -> v2 (rolled back)",
     ]
+
+
+def test_a_replica_loads_a_registered_version_without_running_its_code(digits_champion, tmp_path):
+    from flotilla.serve import load_version
+
+    uri = digits_champion.store_copy(tmp_path)
+    planted, marker = plant_code(uri, tmp_path)
+    bundle = load_version("digits", planted, uri)  # what every serving replica does for each version
+    assert not marker.exists(), "loading a version for serving ran code from the registry"
+    rows, labels = digits_val_rows(digits_champion.spec)
+    assert accuracy(bundle.predict(rows)["predictions"], labels) >= 0.95  # v1's weights, as registered
+    # The planted code is real: MLflow's own loader, which replicas used before, runs it.
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.pyfunc.load_model(f"models:/digits/{planted}")
+    finally:
+        mlflow.set_tracking_uri(before)
+    assert marker.read_text() == "ran"

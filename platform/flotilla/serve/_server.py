@@ -89,11 +89,13 @@ def _is_json(content_type: str) -> bool:
 
 
 def load_version(model: str, version: str, tracking_uri: str):
-    """The inference bundle of registered `model` version `version` (pyfunc from code: no pickle)."""
-    import mlflow
+    """The inference bundle of registered `model` version `version`, from its bundle files only:
+    no code that the registry holds runs in a replica (`flotilla.track.load_registered_bundle`)."""
+    from mlflow import MlflowClient
 
-    mlflow.set_tracking_uri(tracking_uri)
-    return mlflow.pyfunc.load_model(f"models:/{model}/{version}").unwrap_python_model().bundle
+    from flotilla.track import load_registered_bundle
+
+    return load_registered_bundle(MlflowClient(tracking_uri), model, version)
 
 
 class _ModelServer:

@@ -15,6 +15,7 @@ from flotilla.track._registry import (
     AliasChange,
     alias_version,
     champion_history,
+    load_registered_bundle,
     rollback_champion,
     set_alias,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "check_tracking_uri",
     "evaluate_bundles",
     "flatten",
+    "load_registered_bundle",
     "log_params",
     "log_resources",
     "open_tracker",

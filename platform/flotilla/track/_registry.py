@@ -15,6 +15,8 @@ from flotilla.errors import TrackingError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 HISTORY_TAG = "flotilla.champion_history"
+# Where a registered version's model keeps its inference bundle (logged with artifacts={"bundle": ...}).
+BUNDLE_ARTIFACT = "artifacts/bundle"
 
 
 @dataclass
@@ -105,3 +107,22 @@ def _check_version(client: MlflowClient, name: str, version: str) -> None:
         raise TrackingError(
             f"{name} has no version {version!r}; versions: {', '.join(map(str, versions)) or 'none'}"
         ) from None
+
+
+def load_registered_bundle(client: MlflowClient, name: str, version: str):
+    """Registered `name` version `version` as an inference bundle (`flotilla.bundle.load_bundle`):
+    only its bundle files are downloaded (safetensors weights, JSON config and preprocessors) and
+    read by the Flotilla installed here. Nothing the version carries is imported or run, unlike
+    `mlflow.pyfunc.load_model`, which executes the model's own code: anyone who can write to the
+    registry could have replaced that code."""
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+
+    from flotilla.bundle import load_bundle
+
+    location = client.get_model_version_download_uri(name, version).rstrip("/")
+    with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
+        local = download_artifacts(artifact_uri=f"{location}/{BUNDLE_ARTIFACT}", dst_path=tmp,
+                                   tracking_uri=client.tracking_uri)
+        return load_bundle(local)  # weights and config are read into memory: the files may go

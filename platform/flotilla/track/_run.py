@@ -32,7 +32,15 @@ from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.errors import BundleError, TrackingError
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
-from flotilla.track._registry import CANDIDATE, CHAMPION, AliasChange, alias_version, ensure_registered_model, set_alias
+from flotilla.track._registry import (
+    CANDIDATE,
+    CHAMPION,
+    AliasChange,
+    alias_version,
+    ensure_registered_model,
+    load_registered_bundle,
+    set_alias,
+)
 from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
 
 PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
@@ -307,9 +315,8 @@ class Tracker:
         candidate = load_bundle(bundle_dir)
         bundles = [candidate]
         if current is not None:
-            mlflow.set_tracking_uri(self.uri)
             try:
-                bundles.append(mlflow.pyfunc.load_model(f"models:/{self.model_name}/{current}").unwrap_python_model().bundle)
+                bundles.append(load_registered_bundle(self.client, self.model_name, current))
             except Exception as e:
                 decision.passed = False
                 decision.checks.append(f"champion v{current} could not be loaded to compare: {type(e).__name__}: {e}")
