@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import torch
+from pydantic import BaseModel, Field, ValidationError
 from ray.train import Checkpoint
 
 from flotilla.errors import CheckpointError
@@ -58,31 +59,70 @@ def load(engine, directory: str, rank: int) -> dict[str, Any]:
     return state
 
 
+class _FileEntry(BaseModel):
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class _Manifest(BaseModel):
+    """One rank's `manifest/rank{r}.json`: the files it wrote, relative to the checkpoint."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    global_step: int = Field(ge=0)
+    files: dict[str, _FileEntry]
+
+
+def _outside(root: Path, rel: str) -> bool:
+    """A manifest path that is absolute, climbs out with `..`, or resolves (through a link) outside `root`."""
+    if not rel or rel.startswith("/") or ".." in Path(rel).parts:
+        return True
+    return not (root / rel).resolve().is_relative_to(root.resolve())
+
+
 def problems(directory: str) -> list[str]:
-    """Why the checkpoint in `directory` is incomplete; an empty list means it is complete."""
+    """Why the checkpoint in `directory` is incomplete; an empty list means it is complete.
+
+    Only the manifests are parsed (JSON, validated field by field); a manifest that is malformed,
+    names a path outside the checkpoint or disagrees with the files makes the checkpoint torn.
+    Nothing is deserialised before this says the checkpoint is complete."""
     root = Path(directory)
     manifests = sorted((root / MANIFEST_DIR).glob("rank*.json"))
     if not manifests:
         return ["no rank manifests (the write never finished)"]
     found: list[str] = []
-    world_size = None
+    ranks: set[int] = set()
+    world_sizes: set[int] = set()
     for manifest_file in manifests:
         try:
-            manifest = json.loads(manifest_file.read_text())
-        except (OSError, ValueError):
+            manifest = _Manifest.model_validate_json(manifest_file.read_bytes())
+        except OSError:
             found.append(f"{manifest_file.name} is unreadable")
             continue
-        world_size = manifest["world_size"]
-        for rel, meta in manifest["files"].items():
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(p) for p in error["loc"]) or "the document"
+            found.append(f"{manifest_file.name} is malformed ({where}: {error['msg']})")
+            continue
+        if manifest_file.name != f"rank{manifest.rank}.json":
+            found.append(f"{manifest_file.name} describes rank {manifest.rank}")
+            continue
+        ranks.add(manifest.rank)
+        world_sizes.add(manifest.world_size)
+        for rel, meta in manifest.files.items():
             path = root / rel
-            if not path.is_file():
-                found.append(f"rank {manifest['rank']}: {rel} is missing")
-            elif path.stat().st_size != meta["size"]:
-                found.append(f"rank {manifest['rank']}: {rel} has {path.stat().st_size} bytes, expected {meta['size']}")
-            elif _sha256(path) != meta["sha256"]:
-                found.append(f"rank {manifest['rank']}: {rel} does not match its checksum")
-    if world_size is not None:
-        missing = sorted(set(range(world_size)) - {int(m.stem.removeprefix("rank")) for m in manifests})
+            if _outside(root, rel):
+                found.append(f"rank {manifest.rank}: {rel!r} is outside the checkpoint")
+            elif not path.is_file():
+                found.append(f"rank {manifest.rank}: {rel} is missing")
+            elif path.stat().st_size != meta.size:
+                found.append(f"rank {manifest.rank}: {rel} has {path.stat().st_size} bytes, expected {meta.size}")
+            elif _sha256(path) != meta.sha256:
+                found.append(f"rank {manifest.rank}: {rel} does not match its checksum")
+    if len(world_sizes) > 1:
+        found.append(f"the manifests disagree on the world size ({', '.join(map(str, sorted(world_sizes)))})")
+    elif world_sizes:
+        missing = sorted(set(range(world_sizes.pop())) - ranks)
         if missing:
             found.append(f"manifests of rank(s) {', '.join(map(str, missing))} are missing")
     return found
