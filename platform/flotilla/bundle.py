@@ -19,17 +19,18 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import numpy as np
 import pandas as pd
 import torch
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
 from flotilla.errors import BundleError
 from flotilla.models import build_model
+from flotilla.spec import CustomModelSpec, ModelSpec
 
 WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
     "model.safetensors",
@@ -39,6 +40,9 @@ WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
 )
 BUNDLE_FILES = (WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON)
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "seed": -1}
+
+
+_MODEL_SPEC = TypeAdapter(ModelSpec)
 
 
 def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: DataSchema,
@@ -187,7 +191,11 @@ def read_bundle_metrics(fs, path: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
-def load_bundle(path: str | Path) -> InferenceBundle:
+def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> InferenceBundle:
+    """The bundle in directory `path`. Its `model.json` is validated with the spec's own model
+    sections; a `custom` model imports and runs its factory, so `factories` lists the ones this
+    caller allows (`package.module:function`): None allows any (a bundle your own run wrote), a
+    registered version is loaded with an explicit list (`serve.allow_factories`, default none)."""
     root = Path(path)
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
     if missing:
@@ -197,8 +205,20 @@ def load_bundle(path: str | Path) -> InferenceBundle:
         schema = DataSchema.model_validate(meta.get("schema"))
     except ValidationError as e:
         raise BundleError(f"{root / MODEL_JSON} has no valid data schema: {e.errors()[0]['msg']}") from None
+    try:
+        model_spec = _MODEL_SPEC.validate_python(meta.get("model"))
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(["model", *map(str, error["loc"])])
+        raise BundleError(f"{root / MODEL_JSON} has no valid model: {where}: {error['msg']}") from None
+    if isinstance(model_spec, CustomModelSpec) and factories is not None and model_spec.factory not in factories:
+        raise BundleError(
+            f"{root / MODEL_JSON} builds its model with the factory {model_spec.factory!r}, code that loading it "
+            f"would run; a registered custom model loads only where the spec allows its factory: "
+            f"--set \"serve.allow_factories=['{model_spec.factory}']\""
+        )
     preprocessors = json.loads((root / PREPROCESSORS_JSON).read_text())
-    model = build_model(meta["model"], schema)
+    model = build_model(model_spec.model_dump(mode="json"), schema)
     state = load_file(root / WEIGHTS)
     try:
         model.load_state_dict(state, strict=True)
@@ -210,7 +230,7 @@ def load_bundle(path: str | Path) -> InferenceBundle:
     return InferenceBundle(
         path=root,
         model=model,
-        model_spec=meta["model"],
+        model_spec=model_spec.model_dump(mode="json"),
         schema=schema,
         feature_steps=[from_json(e) for e in preprocessors.get("features", [])],
         classes=classes if label is not None else None,

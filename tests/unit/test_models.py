@@ -1,3 +1,4 @@
+import json
 import sys
 import textwrap
 
@@ -96,3 +97,27 @@ def test_the_data_schema_is_checked_where_it_is_read(tmp_path):
     (tmp_path / MODEL_JSON).write_text(json.dumps(meta))
     with pytest.raises(BundleError, match="model.json has no valid data schema: .*needs num_features"):
         load_bundle(tmp_path)
+
+
+def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_path):
+    from flotilla.bundle import load_bundle, write_bundle
+    from flotilla.data import DataSchema
+    from flotilla.errors import BundleError
+
+    schema = DataSchema(task="regression", feature_columns=["a", "b", "c", "d"], label_column="y", num_features=4)
+    custom = {"kind": "custom", "factory": "my_models:good", "options": {"out": 1}}
+    state = build_model(custom, schema).state_dict()
+    bundle = write_bundle(tmp_path / "custom", state, custom, schema, {"features": [], "label": None}, {})
+    # A registered version is loaded with an explicit list of factories (serve.allow_factories).
+    with pytest.raises(BundleError, match=r"factory 'my_models:good'.*--set \"serve.allow_factories=\['my_models:good'\]\""):
+        load_bundle(bundle, factories=())
+    assert load_bundle(bundle, factories=["my_models:good"]).model(torch.zeros(2, 4)).shape == (2, 1)
+    assert load_bundle(bundle).model_spec["factory"] == "my_models:good"  # your own run's bundle
+    # model.json is checked with the spec's own model sections before anything is built.
+    meta = json.loads((bundle / "model.json").read_text())
+    for model, reason in [({**custom, "options": "lots"}, r"model.custom.options: Input should be a valid dictionary"),
+                          ({"kind": "mlp", "hidden": "everything"}, r"model.mlp.hidden"),
+                          ({"kind": "pickle"}, r"model: Input tag 'pickle' found using 'kind' does not match")]:
+        (bundle / "model.json").write_text(json.dumps({**meta, "model": model}))
+        with pytest.raises(BundleError, match=reason):
+            load_bundle(bundle)

@@ -42,6 +42,7 @@ class ReplicaLimits(_Strict):
     sticky_header: str
     num_cpus: int = Field(ge=1)  # torch threads
     num_gpus: float = Field(ge=0)
+    allow_factories: tuple[str, ...] = ()  # custom model factories a version may import
 
     @classmethod
     def from_spec(cls, s) -> "ReplicaLimits":
@@ -50,5 +51,5 @@ class ReplicaLimits(_Strict):
             max_body_bytes=s.max_body_bytes, max_instances=s.max_instances, max_new_tokens=s.max_new_tokens,
             request_timeout_s=s.request_timeout_s, sticky_header=s.sticky_header,
             num_cpus=max(1, math.floor(s.replica.num_cpus)) if s.replica.num_cpus else 1,
-            num_gpus=s.replica.num_gpus,
+            num_gpus=s.replica.num_gpus, allow_factories=tuple(s.allow_factories),
         )

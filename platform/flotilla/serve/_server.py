@@ -88,14 +88,15 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def load_version(model: str, version: str, tracking_uri: str):
+def load_version(model: str, version: str, tracking_uri: str, factories: tuple[str, ...] = ()):
     """The inference bundle of registered `model` version `version`, from its bundle files only:
-    no code that the registry holds runs in a replica (`flotilla.track.load_registered_bundle`)."""
+    no code that the registry holds runs in a replica, and a custom model's factory only when
+    `factories` (`serve.allow_factories`) lists it (`flotilla.track.load_registered_bundle`)."""
     from mlflow import MlflowClient
 
     from flotilla.track import load_registered_bundle
 
-    return load_registered_bundle(MlflowClient(tracking_uri), model, version)
+    return load_registered_bundle(MlflowClient(tracking_uri), model, version, factories)
 
 
 class _ModelServer:
@@ -154,7 +155,7 @@ class _ModelServer:
         logger.info("serving %s: split %s, shadow %s", self.model_name, split.percents(), self.shadow)
 
     def _load_and_warm(self, version: str, config: ReplicaConfig):
-        bundle = load_version(self.model_name, version, self.tracking_uri).to(self.device)
+        bundle = load_version(self.model_name, version, self.tracking_uri, self.limits.allow_factories).to(self.device)
         kind = "generator" if bundle.task == "lm" else "classifier"
         if kind != self.task_kind:
             raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")

@@ -116,6 +116,9 @@ class ServeSpec(_Section):
     max_body_bytes: int = Field(1_000_000, gt=0, description="Larger request bodies get 413.")
     max_instances: int = Field(256, ge=1, description="Instances per prediction request at most (422 past it).")
     max_new_tokens: int = Field(512, ge=1, description="Upper bound on a generation request's `max_tokens`.")
+    allow_factories: list[str] = Field(
+        [], description="`custom` model factories (`package.module:function`) that a replica may import to load "
+        "a registered version; a version whose bundle names any other is refused. Nothing else a version holds runs.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve asks each replica to run a forward pass.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
     graceful_shutdown_timeout_s: float = Field(

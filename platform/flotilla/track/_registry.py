@@ -7,6 +7,7 @@ Each promotion to `champion` is appended to the registered model's tag `flotilla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
@@ -109,12 +110,13 @@ def _check_version(client: MlflowClient, name: str, version: str) -> None:
         ) from None
 
 
-def load_registered_bundle(client: MlflowClient, name: str, version: str):
+def load_registered_bundle(client: MlflowClient, name: str, version: str, factories: Collection[str] = ()):
     """Registered `name` version `version` as an inference bundle (`flotilla.bundle.load_bundle`):
     only its bundle files are downloaded (safetensors weights, JSON config and preprocessors) and
     read by the Flotilla installed here. Nothing the version carries is imported or run, unlike
     `mlflow.pyfunc.load_model`, which executes the model's own code: anyone who can write to the
-    registry could have replaced that code."""
+    registry could have replaced that code. A `custom` model's factory is imported only when
+    `factories` lists it (`serve.allow_factories`)."""
     import tempfile
 
     from mlflow.artifacts import download_artifacts
@@ -125,4 +127,4 @@ def load_registered_bundle(client: MlflowClient, name: str, version: str):
     with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
         local = download_artifacts(artifact_uri=f"{location}/{BUNDLE_ARTIFACT}", dst_path=tmp,
                                    tracking_uri=client.tracking_uri)
-        return load_bundle(local)  # weights and config are read into memory: the files may go
+        return load_bundle(local, factories=factories)  # read into memory: the files may go

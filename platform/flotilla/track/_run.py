@@ -316,7 +316,10 @@ class Tracker:
         bundles = [candidate]
         if current is not None:
             try:
-                bundles.append(load_registered_bundle(self.client, self.model_name, current))
+                # A custom champion's factory runs only if this run's spec names it (model or serve).
+                own = getattr(self.spec.model, "factory", None)
+                allowed = set(self.spec.serve.allow_factories) | ({own} if own else set())
+                bundles.append(load_registered_bundle(self.client, self.model_name, current, factories=allowed))
             except Exception as e:
                 decision.passed = False
                 decision.checks.append(f"champion v{current} could not be loaded to compare: {type(e).__name__}: {e}")
