@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from flotilla.errors import EXIT_CODES, FlotillaError, SpecError
+from flotilla.redact import redact, redact_output
 
 EXIT_CODES_TEXT = "exit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in EXIT_CODES.items())
 
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per epoch is the log
+    redact_output()  # no password in a URI is printed in full, whoever prints it
     try:
         return args.run(args)
     except FlotillaError as e:
@@ -245,7 +247,7 @@ def _sweep(args) -> int:
 def _print_tracking(what: str, run_id: str | None, tracking_uri: str | None, registration) -> None:
     """Where the run is in MLflow and what was registered: the last lines of `train` and `sweep`."""
     if run_id:
-        print(f"{what} {run_id} at {tracking_uri}{_browse_hint(tracking_uri)}")
+        print(f"{what} {run_id} at {redact(tracking_uri)}{_browse_hint(tracking_uri)}")
     if registration is not None:
         print(registration.describe())
 

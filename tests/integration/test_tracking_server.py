@@ -3,14 +3,17 @@
 The test starts PostgreSQL and `mlflow server` on 127.0.0.1, runs two `pipelines/train.py`
 processes against them at the same time (both on the session's local Ray), and stops both
 servers. Each pipeline must get its own model version, a complete metric history and no
-"database is locked" on its output.
+"database is locked" on its output. One reaches the server with a password in its tracking URI,
+which must appear nowhere Flotilla writes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -21,6 +24,8 @@ from tests.services import mlflow_server, postgres_server
 from ._helpers import ROOT, digits_val_rows, metric_steps, mlflow_runs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SECRET = "s3cr3t-pw"
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +39,12 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     address = ray_cluster.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_ADDRESS": address}
     procs = []
+    # The first pipeline reaches the server with credentials in its URI (the server ignores them).
+    uris = [tracking_server.replace("http://", f"http://flotilla:{SECRET}@", 1), tracking_server]
     for i in range(2):
         cmd = [
             sys.executable, str(ROOT / "pipelines" / "train.py"), "--config", str(ROOT / "configs" / "digits.yaml"),
-            "--set", f"track.uri={tracking_server}", "--set", "track.experiment=shared",
+            "--set", f"track.uri={uris[i]}", "--set", "track.experiment=shared",
             "--set", "track.model_name=digits-shared", "--set", f"train.storage_path={tmp_path / 'runs'}",
             # Half a CPU per worker: both pipelines (worker + Ray Data's CPU each) fit the 3-CPU cluster
             # at once, so they really run concurrently instead of one waiting for the other's CPUs.
@@ -75,5 +82,17 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     # The registry on the server serves the model: predictions through pyfunc, artifacts proxied.
     mlflow.set_tracking_uri(tracking_server)
     model = mlflow.pyfunc.load_model("models:/digits-shared@candidate")
+    # The password was used, never written: not in either pipeline's output, any MLflow param, tag
+    # or artifact of the runs (spec.yaml included), the runs' storage, or the Ray cluster's logs.
+    assert "at http://flotilla:***@127.0.0.1:" in outputs[0], outputs[0][-3000:]
+    assert not [out for out in outputs if SECRET in out]
+    for run in runs:
+        assert SECRET not in json.dumps([run.data.params, run.data.tags])
+        files = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path / run.info.run_id)))
+        assert "spec.yaml" in {f.name for f in files.rglob("*")}
+        assert not [f for f in files.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
+    assert not [f for f in (tmp_path / "runs").rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
+    logs = Path(ray_cluster._private.worker._global_node.get_session_dir_path()) / "logs"
+    assert not [f for f in logs.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
     rows, labels = digits_val_rows(load_spec(ROOT / "configs" / "digits.yaml"))
     assert (model.predict(rows.head(50))["prediction"].to_numpy() == labels[:50]).mean() > 0.8

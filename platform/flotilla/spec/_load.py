@@ -67,7 +67,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def spec_to_yaml(spec: RunSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    """The resolved spec as YAML, with passwords in URIs masked: it is printed and stored with the run."""
+    from flotilla.redact import redact
+
+    return redact(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 
 
 def _nearby_specs(missing: Path) -> str:

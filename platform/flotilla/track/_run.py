@@ -28,6 +28,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
+from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.errors import BundleError, TrackingError
 from flotilla.track._curves import plot_training_curves
@@ -131,13 +132,13 @@ class Tracker:
             **_versions(),
             **_git(),
         }
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, redact(v)) for k, v in tags.items()])
         self._log_text(spec_to_yaml(self.spec), "spec.yaml")
         self._log_input(prepared)
         self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "train_loss")}
         how = f"continued, {len(self.logged_steps)} epochs logged before" if self.continued else "new"
-        print(f"[{self.run_name}] MLflow run {self.run_id} ({how}) in experiment {self.experiment_name!r} at {self.uri}",
-              flush=True)
+        print(f"[{self.run_name}] MLflow run {self.run_id} ({how}) in experiment {self.experiment_name!r} at "
+              f"{redact(self.uri)}", flush=True)
 
     def callback(self) -> EpochMetricsLogger:
         return EpochMetricsLogger(self.uri, self.run_id, self.logged_steps)
@@ -179,7 +180,7 @@ class Tracker:
         try:
             if resources is not None:
                 self.log_resources(resources)
-            self.client.set_tag(self.run_id, "flotilla.error", str(error)[:4000])
+            self.client.set_tag(self.run_id, "flotilla.error", redact(str(error))[:4000])
             self.client.set_terminated(self.run_id, "FAILED")
         except Exception:  # the original error matters more than this one
             pass
@@ -222,7 +223,7 @@ class Tracker:
     def _log_text(self, text: str, name: str) -> None:
         with tempfile.TemporaryDirectory(prefix="flotilla-track-") as tmp:
             path = Path(tmp) / name
-            path.write_text(text)
+            path.write_text(redact(text))
             self.client.log_artifact(self.run_id, str(path))
 
     def _log_input(self, prepared) -> None:
@@ -356,14 +357,15 @@ def log_params(client: MlflowClient, run_id: str, params: list[Param]) -> None:
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """`{"train": {"lr": 0.001}}` -> `{"train.lr": "0.001"}`; lists and nulls as JSON."""
+    """`{"train": {"lr": 0.001}}` -> `{"train.lr": "0.001"}`; lists and nulls as JSON; passwords in
+    URIs masked (`flotilla.redact`): the params of a run are readable by everyone who reads the store."""
     out: dict[str, str] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
             out.update(flatten(value, dotted + "."))
         else:
-            out[dotted] = value if isinstance(value, str) else json.dumps(value)
+            out[dotted] = redact(value if isinstance(value, str) else json.dumps(value))
     return out
 
 
