@@ -144,5 +144,12 @@ def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run):
     assert runs[0].data.params["train.epochs"] == "4"
     assert runs[0].data.tags["flotilla.changed.train.epochs"] == "4 -> 5"
     versions = client.search_model_versions("name = 'digits'")
-    assert sorted(int(v.version) for v in versions) == [1, 2]  # each successful run registers a version
+    assert sorted(int(v.version) for v in versions) == [1, 2]  # new weights, a new version
     _assert_trained_and_consolidated(second, 3)
+    # The same command once more (as after a driver that died past registering): nothing is left to
+    # train, the weights are those of v2, and no third version is registered.
+    third = run_training(digits_spec(storage, "train.epochs=5", "train.run_name=faulty", "train.max_failures=2",
+                                     "train.precision=fp32", "train.zero_stage=3"))
+    assert third.registration.version == "2"
+    assert sorted(int(v.version) for v in client.search_model_versions("name = 'digits'")) == [1, 2]
+    assert metric_steps(client, third.mlflow_run_id) == [1, 2, 3, 4, 5]

@@ -248,6 +248,25 @@ class _ModelServer:
 # ------------------------------------------------------------------------ classifier
 # Serve serializes a deployment class when it is decorated, so everything its methods use is
 # defined above this line.
+def _check_finite(out: dict[str, list]) -> None:
+    """422 naming the rows whose prediction is not a finite number: values the model overflows on
+    (1e308, an integer of 25 digits) are valid JSON numbers, but no answer for them is."""
+    bad: set[int] = set()
+    for values in out.values():
+        try:
+            array = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):  # class labels that are not numbers
+            continue
+        if array.ndim:
+            bad.update(np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1)).tolist())
+    if bad:
+        rows = sorted(bad)
+        fields = [ErrorField(field=f"instances[{i}]", message="the model's output for this row is not a finite number; "
+                             "its values are far outside the data it was trained on") for i in rows[:20]]
+        raise ApiError(422, f"instances {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}: the model's "
+                       "output is not a finite number; their values are far outside the data it was trained on", fields)
+
+
 def bundle_columns(bundle) -> set[str]:
     cached = getattr(bundle, "_column_set", None)
     if cached is None:
@@ -281,6 +300,7 @@ class Classifier(_ModelServer):
             bundle = self.bundles[version]
             rows = self.rows(body.instances, bundle)
             out = await self.with_timeout(asyncio.shield(self._forward((version, bundle, rows))), "prediction")
+            _check_finite(out)
             payload = {"model": self.model_name, "version": version, **out}
             if bundle.classes is not None:
                 payload["classes"] = bundle.classes

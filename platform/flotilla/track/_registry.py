@@ -16,8 +16,6 @@ from flotilla.errors import TrackingError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 HISTORY_TAG = "flotilla.champion_history"
-# Where a registered version's model keeps its inference bundle (logged with artifacts={"bundle": ...}).
-BUNDLE_ARTIFACT = "artifacts/bundle"
 
 
 @dataclass
@@ -112,19 +110,38 @@ def _check_version(client: MlflowClient, name: str, version: str) -> None:
 
 def load_registered_bundle(client: MlflowClient, name: str, version: str, factories: Collection[str] = ()):
     """Registered `name` version `version` as an inference bundle (`flotilla.bundle.load_bundle`):
-    only its bundle files are downloaded (safetensors weights, JSON config and preprocessors) and
-    read by the Flotilla installed here. Nothing the version carries is imported or run, unlike
+    its model directory is downloaded and only its bundle (safetensors weights, JSON config and
+    preprocessors, where the MLmodel file says) is read, by the Flotilla installed here. Nothing the
+    version carries is imported or run, unlike
     `mlflow.pyfunc.load_model`, which executes the model's own code: anyone who can write to the
     registry could have replaced that code. A `custom` model's factory is imported only when
     `factories` lists it (`serve.allow_factories`)."""
     import tempfile
+    from pathlib import Path
 
     from mlflow.artifacts import download_artifacts
 
     from flotilla.bundle import load_bundle
 
-    location = client.get_model_version_download_uri(name, version).rstrip("/")
+    location = client.get_model_version_download_uri(name, version)
     with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
-        local = download_artifacts(artifact_uri=f"{location}/{BUNDLE_ARTIFACT}", dst_path=tmp,
-                                   tracking_uri=client.tracking_uri)
-        return load_bundle(local, factories=factories)  # read into memory: the files may go
+        # The whole model directory, as MLflow's own loader fetches it: a subdirectory alone is not
+        # found as one through every artifact server (an MLflow server proxying a local store).
+        model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
+        return load_bundle(_bundle_dir(model, f"{name} v{version}"), factories=factories)  # read into memory
+
+
+def _bundle_dir(model: Path, what: str) -> Path:
+    """Where the pyfunc model in `model` keeps its bundle (the artifact logged as `bundle`): the path
+    its MLmodel file names, read as YAML and kept inside the model directory."""
+    import yaml
+
+    try:
+        meta = yaml.safe_load((model / "MLmodel").read_text())
+        relative = meta["flavors"]["python_function"]["artifacts"]["bundle"]["path"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise TrackingError(f"{what} is not a Flotilla model: its MLmodel names no `bundle` artifact ({e})") from None
+    path = (model / relative).resolve()
+    if not path.is_relative_to(model.resolve()):
+        raise TrackingError(f"{what}: its MLmodel puts the bundle outside the model ({relative!r})")
+    return path

@@ -10,6 +10,7 @@ already in MLflow are skipped, and the driver fills in any epoch the callback co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import tempfile
@@ -47,6 +48,7 @@ from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
 PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
 PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
 RUN_NAME_TAG = "flotilla.run_name"
+WEIGHTS_TAG = "flotilla.weights_sha256"  # a version's model.safetensors: one run registers given weights once
 # What loading the pyfunc model needs (the bundle, not the training stack).
 MODEL_REQUIREMENTS = ("torch", "ray", "safetensors", "numpy", "pandas", "pyarrow", "pydantic", "pyyaml", "mlflow")
 
@@ -281,21 +283,37 @@ class Tracker:
         return info.model_uri
 
     def register_bundle(self, bundle_dir: Path, metrics: dict[str, Any], fingerprint: str, prepared) -> Registration:
-        """Log the bundle as this run's pyfunc model, register it as `candidate`, and gate it."""
+        """Log the bundle as this run's pyfunc model, register it as `candidate`, and gate it. A run
+        registers one version: when an earlier attempt of this run (a driver that died after
+        registering, or the same command run again) already did, that version is gated again."""
+        weights = _sha256(bundle_dir / "model.safetensors")
+        earlier = self._registered_version(weights) if self.continued else None
+        if earlier is not None:
+            print(f"[{self.run_name}] already registered as {self.model_name} v{earlier} by an earlier attempt of "
+                  "this run (the same weights); not registering another version", flush=True)
+            return self._register(None, metrics, fingerprint, prepared, bundle_dir, version=earlier)
         model_uri = self._log_model(bundle_dir, prepared)
-        return self._register(model_uri, metrics, fingerprint, prepared, bundle_dir)
+        return self._register(model_uri, metrics, fingerprint, prepared, bundle_dir, weights=weights)
 
-    def _register(self, model_uri: str, metrics: dict[str, Any], fingerprint: str, prepared, bundle_dir: Path) -> Registration:
+    def _registered_version(self, weights: str) -> str | None:
+        """The version of this model that this MLflow run registered with these weights, if any (a
+        continued run that trained further registers its new weights as a new version)."""
+        versions = self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{self.run_id}'")
+        same = [int(v.version) for v in versions if v.tags.get(WEIGHTS_TAG) == weights]
+        return str(max(same)) if same else None
+
+    def _register(self, model_uri: str | None, metrics: dict[str, Any], fingerprint: str, prepared, bundle_dir: Path,
+                  version: str | None = None, weights: str = "") -> Registration:
         name, gate = self.model_name, self.spec.track.gate
         ensure_registered_model(self.client, name)
-        version = self.client.create_model_version(
-            name,
-            source=model_uri,
-            run_id=self.run_id,
-            tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": fingerprint},
-            model_id=model_uri.removeprefix("models:/"),
-        ).version
-        version = str(version)
+        if version is None:
+            version = str(self.client.create_model_version(
+                name,
+                source=model_uri,
+                run_id=self.run_id,
+                tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": fingerprint, WEIGHTS_TAG: weights},
+                model_id=model_uri.removeprefix("models:/"),
+            ).version)
         set_alias(self.client, name, CANDIDATE, version)
         decision = check_rules(gate, metrics)
         if gate.beat_champion:
@@ -413,3 +431,11 @@ def _pin(dist: str) -> str:
         return f"{dist}=={metadata.version(dist)}"
     except metadata.PackageNotFoundError:
         return dist
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
