@@ -51,6 +51,7 @@ SERVE_TEST = [
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, digits_champion, gpt_champion, tmp_path_factory):
+    import mlflow
     from mlflow import MlflowClient
     from ray import serve
 
@@ -66,6 +67,9 @@ def served(ray_cluster, digits_champion, gpt_champion, tmp_path_factory):
     outcome = digits_champion.outcome
     client = MlflowClient(store_uri(store))
     v1 = client.get_model_version("digits", "1")
+    # MLflow resolves a `models:/m-...` source through the global tracking URI, which the last
+    # training run of the session left pointing at its own store: point it at this copy.
+    mlflow.set_tracking_uri(store_uri(store))
     client.create_model_version("digits", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
     set_alias(client, "digits", "candidate", "2")
 
