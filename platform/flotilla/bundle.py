@@ -15,6 +15,7 @@ Nothing is unpickled: weights come from safetensors, everything else from JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "seed": -
 
 
 _MODEL_SPEC = TypeAdapter(ModelSpec)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_bundle(directory: str | Path, state_dict: dict[str, torch.Tensor], model_spec: dict, schema: DataSchema,

@@ -10,7 +10,6 @@ already in MLflow are skipped, and the driver fills in any epoch the callback co
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import tempfile
@@ -29,6 +28,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
+from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.errors import BundleError, TrackingError
@@ -286,7 +286,7 @@ class Tracker:
         """Log the bundle as this run's pyfunc model, register it as `candidate`, and gate it. A run
         registers one version: when an earlier attempt of this run (a driver that died after
         registering, or the same command run again) already did, that version is gated again."""
-        weights = _sha256(bundle_dir / "model.safetensors")
+        weights = file_sha256(bundle_dir / "model.safetensors")
         earlier = self._registered_version(weights) if self.continued else None
         if earlier is not None:
             print(f"[{self.run_name}] already registered as {self.model_name} v{earlier} by an earlier attempt of "
@@ -431,11 +431,3 @@ def _pin(dist: str) -> str:
         return f"{dist}=={metadata.version(dist)}"
     except metadata.PackageNotFoundError:
         return dist
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -10,7 +10,6 @@ complete earlier checkpoint of the run is used instead, or the run stops and say
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 from ray.train import Checkpoint
 
+from flotilla.bundle import file_sha256
 from flotilla.errors import CheckpointError
 
 MANIFEST_DIR = "manifest"
@@ -117,7 +117,7 @@ def problems(directory: str) -> list[str]:
                 found.append(f"rank {manifest.rank}: {rel} is missing")
             elif path.stat().st_size != meta.size:
                 found.append(f"rank {manifest.rank}: {rel} has {path.stat().st_size} bytes, expected {meta.size}")
-            elif _sha256(path) != meta.sha256:
+            elif file_sha256(path) != meta.sha256:
                 found.append(f"rank {manifest.rank}: {rel} does not match its checksum")
     if len(world_sizes) > 1:
         found.append(f"the manifests disagree on the world size ({', '.join(map(str, sorted(world_sizes)))})")
@@ -164,7 +164,7 @@ def _write_manifest(directory: str, rank: int, world_size: int, state: dict[str,
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
         if path.is_file() and not rel.startswith(MANIFEST_DIR + "/"):
-            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
     manifest = {"rank": rank, "world_size": world_size, "global_step": state["global_step"], "files": files}
     _write_json(root / MANIFEST_DIR / f"rank{rank}.json", manifest)
 
@@ -174,11 +174,3 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
