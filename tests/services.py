@@ -70,12 +70,23 @@ def postgres_server(database: str = "mlflow"):
 @contextlib.contextmanager
 def mlflow_server(backend_store_uri: str, artifacts: Path, timeout_s: float = 180):
     """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with _running([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                   "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts), "--workers", "2"],
-                  f"{url}/health", artifacts.parent / f"mlflow-server-{port}.log", "mlflow server", timeout_s):
+    with mlflow_server_process(backend_store_uri, artifacts, timeout_s=timeout_s) as (url, _):
         yield url
+
+
+@contextlib.contextmanager
+def mlflow_server_process(backend_store_uri: str, artifacts: Path, timeout_s: float = 180, port: int | None = None,
+                          workers: int = 2):
+    """Yield the URL of an `mlflow server` and its process (the leader of its own session: a test
+    that kills the server mid-run signals the group). A `port` given starts it where one ran before."""
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = artifacts.parent / f"mlflow-server-{port}-{time.monotonic_ns()}.log"
+    with _running([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                   "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts),
+                   "--workers", str(workers)],
+                  f"{url}/health", log, "mlflow server", timeout_s) as proc:
+        yield url, proc
 
 
 @contextlib.contextmanager
@@ -95,7 +106,7 @@ def _running(command: list[str], ready_url: str, log_path: Path, name: str, time
                 raise RuntimeError(f"{name} did not answer {ready_url} within {timeout_s:.0f}s: "
                                    f"{Path(log_path).read_text()[-2000:]}")
             time.sleep(0.5)
-        yield
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -1,25 +1,31 @@
-"""A shared MLflow tracking server on PostgreSQL, and two pipelines registering at once.
+"""A shared MLflow tracking server on PostgreSQL, and two pipelines registering at once; a server that dies.
 
 The test starts PostgreSQL and `mlflow server` on 127.0.0.1, runs two `pipelines/train.py`
 processes against them at the same time (both on the session's local Ray), and stops both
 servers. Each pipeline must get its own model version, a complete metric history and no
 "database is locked" on its output. One reaches the server with a password in its tracking URI,
-which must appear nowhere Flotilla writes.
+which must appear nowhere Flotilla writes. And a server that dies mid-run and comes back: the
+training does not wait for it, and its metrics reach the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlflow
 import pytest
+from mlflow import MlflowClient
 
 from flotilla import load_spec
-from tests.services import mlflow_server, postgres_server
+from flotilla.train import run_training
+from tests.services import free_port, mlflow_server, mlflow_server_process, postgres_server
 
 from ._helpers import ROOT, digits_val_rows, metric_steps, mlflow_runs
 
@@ -96,3 +102,55 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     assert not [f for f in logs.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
     rows, labels = digits_val_rows(load_spec(ROOT / "configs" / "digits.yaml"))
     assert (model.predict(rows.head(50))["prediction"].to_numpy() == labels[:50]).mean() > 0.8
+
+
+def test_training_goes_on_while_its_mlflow_server_is_down(ray_cluster, tmp_path):
+    """The server is SIGKILLed after epoch 2 and started again (same store, same port) once three
+    more epochs have trained: no epoch waited for it, and every epoch's metrics reached the run once."""
+    port, epochs = free_port(), 8
+    backend, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    run_dir = tmp_path / "runs" / "outage"
+    spec = load_spec(ROOT / "configs" / "digits.yaml", [
+        f"train.storage_path={tmp_path / 'runs'}", f"track.uri=http://127.0.0.1:{port}", "train.run_name=outage",
+        f"train.epochs={epochs}", "track.gate.require=[]",
+    ])
+
+    result: dict = {}
+
+    def train():
+        try:
+            result["outcome"] = run_training(spec)
+        except BaseException as e:  # noqa: BLE001 -- handed to the test's thread
+            result["error"] = e
+
+    def reached(epoch: int, timeout_s: float) -> None:
+        """Wait until a checkpoint of `epoch` or later exists (a run keeps its last two)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(int(c.name[len("checkpoint_epoch"):][:4]) >= epoch for c in run_dir.glob("checkpoint_epoch*")):
+            assert training.is_alive(), result
+            assert time.monotonic() < deadline, f"no checkpoint of epoch {epoch} after {timeout_s:.0f}s"
+            time.sleep(0.1)
+
+    training = threading.Thread(target=train, daemon=True)  # a daemon: a failed check never waits for it
+    with mlflow_server_process(backend, artifacts, port=port, workers=1) as (url, server):
+        training.start()
+        reached(2, 300)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    # Three epochs with nobody to log them to. (Before, the first one's report waited on MLflow's
+    # retries for minutes, and the workers stopped at the next epoch: this failed here.)
+    reached(5, 60)
+    with mlflow_server_process(backend, artifacts, port=port, workers=1) as (url, _):
+        training.join(timeout=600)
+        assert "outcome" in result, result
+        outcome = result["outcome"]
+        client = MlflowClient(url)
+        run = client.get_run(outcome.mlflow_run_id)
+        history = [client.get_metric_history(run.info.run_id, key) for key in ("train_loss", "val_accuracy")]
+    ended = [m["ended_at"] for m in outcome.history]
+    gaps = [round(b - a, 1) for a, b in zip(ended, ended[1:])]
+    assert max(gaps) < 5, gaps  # ~1 s an epoch here; minutes when a report waited on the server
+    assert run.info.status == "FINISHED" and outcome.registration.version == "1"
+    for points in history:  # one point per epoch, stamped when the epoch ended
+        assert sorted(p.step for p in points) == list(range(1, epochs + 1)), points
+        assert sorted(p.timestamp for p in points) == [int(t * 1000) for t in ended]

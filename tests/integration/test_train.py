@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -12,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from flotilla.bundle import load_bundle
-from flotilla.train import run_training
+from flotilla.errors import CheckpointError
+from flotilla.train import checkpoint_problems, run_training
 
-
-from ._helpers import accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, own_ray_processes
+from ._helpers import DIGITS, ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, own_ray_processes, store_uri
 
 pytestmark = pytest.mark.integration
 
@@ -153,3 +158,95 @@ def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run):
     assert third.registration.version == "2"
     assert sorted(int(v.version) for v in client.search_model_versions("name = 'digits'")) == [1, 2]
     assert metric_steps(client, third.mlflow_run_id) == [1, 2, 3, 4, 5]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs: storage that can fill up (unmounted when the test ends)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True, capture_output=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True, capture_output=True)
+
+
+def test_a_disk_that_fills_up_fails_the_run_clearly_and_it_resumes_once_space_is_freed(ray_cluster, small_disk, tmp_path):
+    overrides = [f"track.uri={store_uri(tmp_path)}", "train.run_name=full", "train.epochs=5", "train.max_failures=0"]
+    spec = digits_spec(small_disk, *overrides)
+    run_dir, filler = small_disk / "full", small_disk / "filler"
+
+    def fill_after_epoch_two():
+        # Once Ray Train has registered epoch 2's checkpoint (it is in the controller's snapshot).
+        snapshot = run_dir / "checkpoint_manager_snapshot.json"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (snapshot.exists() and "checkpoint_epoch0002" in snapshot.read_text()):
+            time.sleep(0.05)
+        with open(filler, "wb") as f:  # every byte left
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+
+    filling = threading.Thread(target=fill_after_epoch_two, daemon=True)
+    filling.start()
+    with pytest.raises(CheckpointError) as failed:
+        run_training(spec)
+    filling.join(timeout=5)
+    message = str(failed.value)
+    # The error says what, where and what to do; the checkpoints left are all complete.
+    match = re.search(r"no space left on device for checkpoint (checkpoint_epoch(\d{4})_\w+) in train.storage_path "
+                      rf"{re.escape(str(small_disk))}\. Free space there, then resume the run .* it continues from "
+                      r"epoch (\d+), whose checkpoint is intact", message)
+    assert match, message
+    torn, failed_epoch, intact = match.group(1), int(match.group(2)), int(match.group(3))
+    assert failed_epoch == intact + 1 and intact >= 2
+    assert not (run_dir / torn).exists()  # the half-written one is gone
+    left = sorted(run_dir.glob("checkpoint_epoch*"))
+    assert left and all(not checkpoint_problems(str(c)) for c in left), left
+    assert left[-1].name.startswith(f"checkpoint_epoch{intact:04d}_")
+    client, runs = mlflow_runs(store_uri(tmp_path))
+    assert runs[0].info.status == "FAILED" and "no space left on device" in runs[0].data.tags["flotilla.error"]
+
+    filler.unlink()
+    outcome = run_training(digits_spec(small_disk, *overrides))
+    assert [m["epoch"] for m in outcome.history] == [1, 2, 3, 4, 5]
+    assert [m["epoch"] for m in outcome.history if "resumed_from_step" in m][0] == intact + 1
+    assert [r.info.run_id for r in mlflow_runs(store_uri(tmp_path))[1]] == [outcome.mlflow_run_id]
+    assert metric_steps(client, outcome.mlflow_run_id) == [1, 2, 3, 4, 5]
+
+
+def test_a_killed_driver_and_the_same_command_resume_one_run_and_register_once(ray_cluster, tmp_path):
+    cmd = [sys.executable, str(ROOT / "pipelines" / "train.py"), "--config", str(DIGITS),
+           "--set", f"train.storage_path={tmp_path}", "--set", f"track.uri={store_uri(tmp_path)}",
+           "--set", "train.run_name=driverless", "--set", "train.epochs=5"]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    snapshot = tmp_path / "driverless" / "checkpoint_manager_snapshot.json"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (snapshot.exists() and "checkpoint_epoch0002" in snapshot.read_text()):
+                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+                time.sleep(0.05)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)  # the driver, mid-run, without a word
+            first.wait()
+    # Its Train controller and workers go with it (Ray ends the actors a dead driver owned).
+    deadline = time.monotonic() + 120
+    while own_ray_processes("ray::RayTrainWorker") and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    resumed = re.search(r"resumed from epoch (\d+), step \d+", out)
+    assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
+    history = json.loads((tmp_path / "driverless" / "bundle" / "metrics.json").read_text())["history"]
+    assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5]
+    # One MLflow run (the killed one, continued and finished), every epoch once, one version.
+    client, runs = mlflow_runs(store_uri(tmp_path))
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", [(r.info.run_name, r.info.status) for r in runs]
+    assert metric_steps(client, runs[0].info.run_id) == [1, 2, 3, 4, 5]
+    assert [int(v.version) for v in client.search_model_versions("name = 'digits'")] == [1]

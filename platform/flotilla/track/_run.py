@@ -11,8 +11,10 @@ already in MLflow are skipped, and the driver fills in any epoch the callback co
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ import flotilla
 from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
-from flotilla.errors import BundleError, TrackingError
+from flotilla.errors import BundleError, TrackingError, summarize
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
 from flotilla.track._registry import (
@@ -50,6 +52,8 @@ PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
 RUN_NAME_TAG = "flotilla.run_name"
 WEIGHTS_TAG = "flotilla.weights_sha256"  # a version's model.safetensors: one run registers given weights once
 # What loading the pyfunc model needs (the bundle, not the training stack).
+# Numbers in an epoch's report that are not per-epoch measurements.
+NOT_METRICS = ("epoch", "zero_stage", "world_size", "first_step_at", "ended_at")
 MODEL_REQUIREMENTS = ("torch", "ray", "safetensors", "numpy", "pandas", "pyarrow", "pydantic", "pyyaml", "mlflow")
 
 
@@ -66,10 +70,27 @@ class Registration:
 
 
 class EpochMetricsLogger(ray.train.UserCallback):
-    """Logs each epoch's metrics (rank 0's; they are reduced across ranks) with step = epoch."""
+    """Logs each epoch's metrics (rank 0's; they are reduced across ranks) with step = epoch.
+
+    Training never waits on MLflow: `after_report` queues the epoch and returns, and a thread of
+    this process sends it (with MLflow's own retries; after they give up, again every few seconds).
+    A tracking server that is down for a while delays the metrics, not the epochs. Each point
+    carries the time its epoch ended, so the driver, which fills in at the end whatever is still
+    missing, writes the very points this thread may yet send, and MLflow's store keeps one of each."""
+
+    RETRY_S = 5.0
 
     def __init__(self, uri: str, run_id: str, logged_steps: set[int]):
         self.uri, self.run_id, self.logged_steps = uri, run_id, set(logged_steps)
+        self._queue: queue.Queue | None = None
+        self._pending = 0  # epochs queued and not yet in MLflow
+        self._sent = threading.Condition()
+
+    def __getstate__(self):  # sent to Ray Train's controller: without the thread and its queue
+        return {"uri": self.uri, "run_id": self.run_id, "logged_steps": self.logged_steps}
+
+    def __setstate__(self, state):
+        self.__init__(state["uri"], state["run_id"], state["logged_steps"])
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if not metrics:
@@ -77,20 +98,50 @@ class EpochMetricsLogger(ray.train.UserCallback):
         step = int(metrics[0].get("epoch", 0))
         if step in self.logged_steps:
             return  # re-reported after a resume: the history keeps one point per epoch
-        try:
-            MlflowClient(self.uri).log_batch(self.run_id, metrics=epoch_metrics(metrics[0]))
-            self.logged_steps.add(step)
-        except Exception as e:  # the driver fills this epoch in at the end; training goes on
-            print(f"WARNING: could not log epoch {step} to MLflow ({type(e).__name__}: {e}); will retry at the end")
+        self.logged_steps.add(step)
+        if self._queue is None:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._send_forever, name="flotilla-epoch-metrics", daemon=True).start()
+        with self._sent:
+            self._pending += 1
+        self._queue.put((step, epoch_metrics(metrics[0])))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the queued epochs to reach MLflow; whether they all did."""
+        with self._sent:
+            return self._sent.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _send_forever(self) -> None:
+        client = MlflowClient(self.uri)
+        while True:
+            step, points = self._queue.get()
+            warned = False
+            while True:
+                try:
+                    client.log_batch(self.run_id, metrics=points)
+                    break
+                except Exception as e:  # the server is away: keep the epoch, try again
+                    if not warned:
+                        print(f"WARNING: could not log epoch {step} to MLflow ({redact(summarize(e, 200))}); "
+                              f"training goes on, retrying every {self.RETRY_S:.0f}s", flush=True)
+                        warned = True
+                    time.sleep(self.RETRY_S)
+            if warned:
+                print(f"MLflow reachable again: epoch {step} logged", flush=True)
+            with self._sent:
+                self._pending -= 1
+                self._sent.notify_all()
 
 
 def epoch_metrics(m: dict[str, Any]) -> list[Metric]:
-    now = int(time.time() * 1000)
+    """An epoch's points; their timestamp is when the epoch ended (so the same epoch logged twice is
+    the same point twice, which MLflow's SQL store keeps once)."""
+    when = int(float(m.get("ended_at") or time.time()) * 1000)
     step = int(m.get("epoch", 0))
     return [
-        Metric(key, float(value), now, step)
+        Metric(key, float(value), when, step)
         for key, value in m.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "zero_stage", "world_size", "first_step_at")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in NOT_METRICS
     ]
 
 

@@ -13,6 +13,8 @@ weights go into the inference bundle inside the final checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import os
@@ -34,9 +36,11 @@ from deepspeed.utils import safe_get_full_fp32_param
 from ray.train.v2._internal.execution import context as _train_context
 
 from flotilla.bundle import write_bundle
+from flotilla.errors import CheckpointError
 from flotilla.metrics import TASKS, primary_metric
-from flotilla.data import FEATURES, TOKENS, DataSchema
+from flotilla.data import FEATURES, TOKENS, DataSchema, filesystem_for
 from flotilla.models import build_model, flops_per_token
+from flotilla.redact import redact
 from flotilla.train import _checkpoint
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
 from flotilla.train._metrics import TrainingMetrics
@@ -198,7 +202,7 @@ def train(config: WorkerConfig, session: Session) -> None:
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct], device
         )
-        slowest, most_waited = _all_reduce([train_time, data_wait], device, op=dist.ReduceOp.MAX)
+        slowest, most_waited, ended_at = _all_reduce([train_time, data_wait, time.time()], device, op=dist.ReduceOp.MAX)
         metrics: dict[str, Any] = {
             "epoch": epoch + 1,
             "global_step": int(engine.global_steps),
@@ -213,6 +217,7 @@ def train(config: WorkerConfig, session: Session) -> None:
             "world_size": world,
             "backend": dist.get_backend(),
             "first_step_at": first_step_at,
+            "ended_at": ended_at,  # one wall-clock time for every rank: the epoch's MLflow timestamp
         }
         if schema.task == "classification":
             metrics["val_accuracy"] = totals[3] / max(totals[5], 1)
@@ -238,10 +243,34 @@ def train(config: WorkerConfig, session: Session) -> None:
                               metrics, history, val["probe"], worker_nodes)
             state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
             _checkpoint.save(engine, directory, rank, world, state)
-            session.report(metrics, directory, f"{CHECKPOINT_PREFIX}{epoch + 1:04d}_{attempt}")
+            _report(session, config, metrics, directory, f"{CHECKPOINT_PREFIX}{epoch + 1:04d}_{attempt}", epoch)
         live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
             say(format_epoch(config.run_name, metrics, t.epochs))
+
+
+def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], directory: str, name: str,
+            epochs_before: int) -> None:
+    """`session.report`, with a full storage said as such: which checkpoint, where, what to do. The
+    half-written checkpoint is removed (it could never load, and it holds space); the one before
+    stays as it was."""
+    try:
+        session.report(metrics, directory, name)
+    except OSError as e:
+        if e.errno != errno.ENOSPC and "No space left on device" not in str(e):
+            raise
+        t = config.spec.train
+        if session.rank == 0:
+            with contextlib.suppress(Exception):
+                fs, root = filesystem_for(t.storage_path, "train.storage_path")
+                fs.delete_dir(f"{root}/{config.run_name}/{name}")
+        then = (f"it continues from epoch {epochs_before}, whose checkpoint is intact" if epochs_before
+                else "it starts over (no epoch had finished)")
+        raise CheckpointError(
+            f"run {config.run_name!r}: no space left on device for checkpoint {name} in train.storage_path "
+            f"{redact(t.storage_path)}. Free space there, then resume the run (`flotilla train ... --resume "
+            f"{config.run_name}`): {then}."
+        ) from None
 
 
 def say(line: str) -> None:

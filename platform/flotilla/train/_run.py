@@ -170,6 +170,9 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         resources=use,
     )
     if tracker is not None:
+        # A one-worker trial logged its epochs from a thread of this process: give it a moment to
+        # finish (with Ray Train they were logged from its controller, and this returns at once).
+        epoch_logger.flush(timeout_s=10)
         outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
         with local_copy(fs, bundle_fs_path) as local_bundle:
             outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
