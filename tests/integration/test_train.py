@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -172,81 +173,79 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=True, capture_output=True)
 
 
-def test_a_disk_that_fills_up_fails_the_run_clearly_and_it_resumes_once_space_is_freed(ray_cluster, small_disk, tmp_path):
-    overrides = [f"track.uri={store_uri(tmp_path)}", "train.run_name=full", "train.epochs=5", "train.max_failures=0"]
-    spec = digits_spec(small_disk, *overrides)
-    run_dir, filler = small_disk / "full", small_disk / "filler"
+def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_cluster, small_disk, tmp_path):
+    """One run, two faults: its driver is SIGKILLed after epoch 2 and the same command resumes it;
+    then its storage fills up after epoch 3: a clear error and the resume command, which finishes
+    the run once space is freed. One MLflow run, every epoch once, one version."""
+    cmd = [sys.executable, str(ROOT / "pipelines" / "train.py"), "--config", str(DIGITS),
+           "--set", f"train.storage_path={small_disk}", "--set", f"track.uri={store_uri(tmp_path)}",
+           "--set", "train.run_name=unlucky", "--set", "train.epochs=6", "--set", "train.max_failures=0"]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    run_dir, filler = small_disk / "unlucky", small_disk / "filler"
 
-    def fill_after_epoch_two():
-        # Once Ray Train has registered epoch 2's checkpoint (it is in the controller's snapshot).
+    def start(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+
+    def wait_for_epoch(proc: subprocess.Popen, name: str, epoch: int) -> None:
+        """Until Ray Train has registered a checkpoint of `epoch` or later (its snapshot lists it)."""
         snapshot = run_dir / "checkpoint_manager_snapshot.json"
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (snapshot.exists() and "checkpoint_epoch0002" in snapshot.read_text()):
+        while not (snapshot.exists() and max(map(int, re.findall(r"checkpoint_epoch(\d{4})", snapshot.read_text())),
+                                             default=0) >= epoch):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
             time.sleep(0.05)
-        with open(filler, "wb") as f:  # every byte left
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * 65536)
 
-    filling = threading.Thread(target=fill_after_epoch_two, daemon=True)
-    filling.start()
-    with pytest.raises(CheckpointError) as failed:
-        run_training(spec)
-    filling.join(timeout=5)
-    message = str(failed.value)
-    # The error says what, where and what to do; the checkpoints left are all complete.
-    match = re.search(r"no space left on device for checkpoint (checkpoint_epoch(\d{4})_\w+) in train.storage_path "
-                      rf"{re.escape(str(small_disk))}\. Free space there, then resume the run .* it continues from "
-                      r"epoch (\d+), whose checkpoint is intact", message)
-    assert match, message
-    torn, failed_epoch, intact = match.group(1), int(match.group(2)), int(match.group(3))
-    assert failed_epoch == intact + 1 and intact >= 2
-    assert not (run_dir / torn).exists()  # the half-written one is gone
-    left = sorted(run_dir.glob("checkpoint_epoch*"))
-    assert left and all(not checkpoint_problems(str(c)) for c in left), left
-    assert left[-1].name.startswith(f"checkpoint_epoch{intact:04d}_")
-    client, runs = mlflow_runs(store_uri(tmp_path))
-    assert runs[0].info.status == "FAILED" and "no space left on device" in runs[0].data.tags["flotilla.error"]
-
-    filler.unlink()
-    outcome = run_training(digits_spec(small_disk, *overrides))
-    assert [m["epoch"] for m in outcome.history] == [1, 2, 3, 4, 5]
-    assert [m["epoch"] for m in outcome.history if "resumed_from_step" in m][0] == intact + 1
-    assert [r.info.run_id for r in mlflow_runs(store_uri(tmp_path))[1]] == [outcome.mlflow_run_id]
-    assert metric_steps(client, outcome.mlflow_run_id) == [1, 2, 3, 4, 5]
-
-
-def test_a_killed_driver_and_the_same_command_resume_one_run_and_register_once(ray_cluster, tmp_path):
-    cmd = [sys.executable, str(ROOT / "pipelines" / "train.py"), "--config", str(DIGITS),
-           "--set", f"train.storage_path={tmp_path}", "--set", f"track.uri={store_uri(tmp_path)}",
-           "--set", "train.run_name=driverless", "--set", "train.epochs=5"]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    snapshot = tmp_path / "driverless" / "checkpoint_manager_snapshot.json"
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 300
-            while not (snapshot.exists() and "checkpoint_epoch0002" in snapshot.read_text()):
-                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
-                time.sleep(0.05)
-        finally:
-            if first.poll() is None:
-                os.killpg(first.pid, signal.SIGKILL)  # the driver, mid-run, without a word
-            first.wait()
+    first = start("first")
+    try:
+        wait_for_epoch(first, "first", 2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)  # the driver, mid-run, without a word
+        first.wait()
     # Its Train controller and workers go with it (Ray ends the actors a dead driver owned).
     deadline = time.monotonic() + 120
     while own_ray_processes("ray::RayTrainWorker") and time.monotonic() < deadline:
         time.sleep(0.5)
 
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-4000:]
-    resumed = re.search(r"resumed from epoch (\d+), step \d+", out)
-    assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
-    history = json.loads((tmp_path / "driverless" / "bundle" / "metrics.json").read_text())["history"]
-    assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5]
-    # One MLflow run (the killed one, continued and finished), every epoch once, one version.
+    second = start("second")
+    try:
+        wait_for_epoch(second, "second", 3)
+        with open(filler, "wb") as f:  # every byte left
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+        assert second.wait(timeout=300) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(second.pid, signal.SIGKILL)
+    out = (tmp_path / "second.log").read_text()
+    assert re.search(r"resumed from epoch [23], step \d+", out), out[-4000:]
+    # The error says what, where and what to do; the checkpoints left are all complete.
+    match = re.search(r"no space left on device for checkpoint (checkpoint_epoch(\d{4})_\w+) in train.storage_path "
+                      rf"{re.escape(str(small_disk))}\. Free space there, then resume the run .* it continues from "
+                      r"epoch (\d+), whose checkpoint is intact", out)
+    assert match, out[-4000:]
+    torn, failed_epoch, intact = match.group(1), int(match.group(2)), int(match.group(3))
+    assert failed_epoch == intact + 1 and intact >= 3
+    assert not (run_dir / torn).exists()  # the half-written one is gone
+    left = sorted(run_dir.glob("checkpoint_epoch*"))
+    assert left and left[-1].name.startswith(f"checkpoint_epoch{intact:04d}_") and not checkpoint_problems(str(left[-1]))
+    client, runs = mlflow_runs(store_uri(tmp_path))
+    assert [r.info.status for r in runs] == ["FAILED"] and "no space left" in runs[0].data.tags["flotilla.error"]
+    hint = re.search(r"^resume with: (.*)$", out, re.M)
+    assert hint and hint.group(1).endswith("--resume unlucky"), out[-2000:]
+
+    filler.unlink()
+    words = shlex.split(hint.group(1))
+    third = subprocess.run([str(Path(sys.executable).parent / words[0]), *words[1:]], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=900)
+    out = third.stdout + third.stderr
+    assert third.returncode == 0, out[-4000:]
+    assert f"resumed from epoch {intact}" in out, out[-4000:]
+    history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
+    assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5, 6]
     client, runs = mlflow_runs(store_uri(tmp_path))
     assert len(runs) == 1 and runs[0].info.status == "FINISHED", [(r.info.run_name, r.info.status) for r in runs]
-    assert metric_steps(client, runs[0].info.run_id) == [1, 2, 3, 4, 5]
+    assert metric_steps(client, runs[0].info.run_id) == [1, 2, 3, 4, 5, 6]
     assert [int(v.version) for v in client.search_model_versions("name = 'digits'")] == [1]
