@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from flotilla.bundle import load_bundle
-from flotilla.errors import CheckpointError
 from flotilla.train import checkpoint_problems, run_training
 
 from ._helpers import DIGITS, ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, own_ray_processes, store_uri
