@@ -6,6 +6,7 @@ Each promotion to `champion` is appended to the registered model's tag `flotilla
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Collection
 
@@ -60,12 +61,37 @@ def set_alias(client: MlflowClient, name: str, alias: str, version: str) -> Alia
     before = alias_version(client, name, alias)
     client.set_registered_model_alias(name, alias, str(version))
     if alias == CHAMPION and before != str(version):
-        history = champion_history(client, name)
-        if before and (not history or history[-1] != before):
-            history.append(before)  # a champion set outside Flotilla
-        history.append(str(version))
-        client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-100:]))
+        _record_promotion(client, name, before, str(version))
     return AliasChange(name, alias, before, str(version))
+
+
+def _record_promotion(client: MlflowClient, name: str, before: str | None, version: str) -> None:
+    """Append `version` to the champion history. MLflow has no compare-and-set: two gates promoting
+    at once both read the tag and write it back, and the first write of a new tag can fail on
+    the other's insert. So a failed write is retried, and the tag is read back until it ends with
+    the version the `champion` alias points at now (whoever set it last)."""
+    for attempt in range(8):
+        history = champion_history(client, name)
+        if before and before not in history[-1:] and version not in history[-1:]:
+            history.append(before)  # a champion set outside Flotilla
+        if version not in history[-1:]:
+            history.append(version)
+        current = alias_version(client, name, CHAMPION)
+        if current and current not in history[-1:]:
+            history.append(current)  # promoted by another pipeline after us
+        try:
+            client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-100:]))
+        except MlflowException as e:
+            if not any(k in str(e) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint")):
+                raise
+        else:
+            written = champion_history(client, name)
+            if written and written[-1] == alias_version(client, name, CHAMPION):
+                return
+        time.sleep(0.1 * (attempt + 1))
+    raise TrackingError(f"{name}: the champion history tag {HISTORY_TAG} kept changing under concurrent promotions; "
+                        f"it is {client.get_registered_model(name).tags.get(HISTORY_TAG)!r}, champion "
+                        f"v{alias_version(client, name, CHAMPION)}")
 
 
 def rollback_champion(client: MlflowClient, name: str) -> AliasChange:
