@@ -3,7 +3,8 @@
 The driver creates (or, for a run name it has seen before, reopens) the MLflow run, logs the
 spec, tags and input dataset, and at the end the artifacts, the pyfunc model and the registry
 entry. Per-epoch metrics are logged live by a Ray Train callback that runs in the controller
-actor, which Ray Train places on the driver's node; workers never talk to MLflow. Each epoch is
+actor, which Ray Train places on the driver's node, from a thread of its own (training never waits
+on MLflow); workers never talk to MLflow. Each epoch is
 logged once, with the epoch as its step: after a worker restart or a driver re-run the epochs
 already in MLflow are skipped, and the driver fills in any epoch the callback could not log.
 """
@@ -51,9 +52,9 @@ PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
 PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
 RUN_NAME_TAG = "flotilla.run_name"
 WEIGHTS_TAG = "flotilla.weights_sha256"  # a version's model.safetensors: one run registers given weights once
-# What loading the pyfunc model needs (the bundle, not the training stack).
 # Numbers in an epoch's report that are not per-epoch measurements.
 NOT_METRICS = ("epoch", "zero_stage", "world_size", "first_step_at", "ended_at")
+# What loading the pyfunc model needs (the bundle, not the training stack).
 MODEL_REQUIREMENTS = ("torch", "ray", "safetensors", "numpy", "pandas", "pyarrow", "pydantic", "pyyaml", "mlflow")
 
 
