@@ -4,9 +4,9 @@ The driver creates (or, for a run name it has seen before, reopens) the MLflow r
 spec, tags and input dataset, and at the end the artifacts, the pyfunc model and the registry
 entry. Per-epoch metrics are logged live by a Ray Train callback that runs in the controller
 actor, which Ray Train places on the driver's node, from a thread of its own (training never waits
-on MLflow); workers never talk to MLflow. Each epoch is
-logged once, with the epoch as its step: after a worker restart or a driver re-run the epochs
-already in MLflow are skipped, and the driver fills in any epoch the callback could not log.
+on MLflow); workers never talk to MLflow. Each epoch is logged once, with the epoch as its step:
+after a worker restart or a driver re-run the epochs already in MLflow are skipped, and the driver
+fills in any epoch the callback could not log.
 """
 
 from __future__ import annotations
