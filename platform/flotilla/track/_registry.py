@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from flotilla.errors import TrackingError
+from flotilla.track._store import lost_insert_race
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 HISTORY_TAG = "flotilla.champion_history"
@@ -82,7 +83,7 @@ def _record_promotion(client: MlflowClient, name: str, before: str | None, versi
         try:
             client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-100:]))
         except MlflowException as e:
-            if not any(k in str(e) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint")):
+            if not lost_insert_race(e):
                 raise
         else:
             written = champion_history(client, name)

@@ -46,7 +46,7 @@ from flotilla.track._registry import (
     load_registered_bundle,
     set_alias,
 )
-from flotilla.track._store import check_tracking_uri, resolve_tracking_uri
+from flotilla.track._store import check_tracking_uri, lost_insert_race, resolve_tracking_uri
 
 PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
 PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
@@ -297,7 +297,7 @@ class Tracker:
                 # Two runs of the same data starting together race in MLflow's store: both see no
                 # dataset row, both insert it, one fails on the unique key. Once the other's insert
                 # has committed, a retry finds the row and only links this run to it.
-                if attempt == 3 or not any(k in str(e) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint")):
+                if attempt == 3 or not lost_insert_race(e):
                     raise
                 time.sleep(0.5 * (attempt + 1))
 

@@ -89,3 +89,9 @@ def registry_client(uri: str | None):
     resolved, _ = resolve_tracking_uri(uri)
     check_tracking_uri(resolved)
     return MlflowClient(resolved)
+
+
+def lost_insert_race(error: Exception) -> bool:
+    """Whether an MLflow call failed because a concurrent writer inserted the same row first
+    (PostgreSQL's or SQLite's unique key): a retry then finds the row and updates it."""
+    return any(k in str(error) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint"))
