@@ -68,23 +68,16 @@ def postgres_server(database: str = "mlflow"):
 
 
 @contextlib.contextmanager
-def mlflow_server(backend_store_uri: str, artifacts: Path, timeout_s: float = 180):
-    """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores."""
-    with mlflow_server_process(backend_store_uri, artifacts, timeout_s=timeout_s) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def mlflow_server_process(backend_store_uri: str, artifacts: Path, timeout_s: float = 180, port: int | None = None,
-                          workers: int = 2):
-    """Yield the URL of an `mlflow server` and its process (the leader of its own session: a test
-    that kills the server mid-run signals the group). A `port` given starts it where one ran before."""
+def mlflow_server_process(backend_store_uri: str, artifacts: Path, timeout_s: float = 180, port: int | None = None):
+    """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores, and its process (the
+    leader of its own session: a test that kills the server mid-run signals the group). A `port`
+    given starts it where one ran before."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = artifacts.parent / f"mlflow-server-{port}-{time.monotonic_ns()}.log"
     with _running([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                    "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts),
-                   "--workers", str(workers)],
+                   "--workers", "2"],
                   f"{url}/health", log, "mlflow server", timeout_s) as proc:
         yield url, proc
 

@@ -64,7 +64,10 @@ def submit(hosts, job_id: str, script: str, *args: str, wait: bool = True, timeo
 def job_log(hosts, job_id: str) -> str:
     """The job driver's log, read straight from the head's own session directory."""
     root = Path(f"/proc/{hosts['head'].holder_pid}/root")
-    session = os.readlink(root / "tmp/ray/session_latest")  # absolute on the head: resolve it under its root
+    try:
+        session = os.readlink(root / "tmp/ray/session_latest")  # absolute on the head: resolve it under its root
+    except FileNotFoundError:  # not readable at this instant (seen once in a full run): no log yet, ask again
+        return ""
     path = root / session.lstrip("/") / "logs" / f"job-driver-{job_id}.log"
     return path.read_text(errors="replace") if path.exists() else ""
 
