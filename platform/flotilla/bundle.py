@@ -3,7 +3,8 @@
 A bundle is a directory with
     model.safetensors     consolidated fp32 weights (also from ZeRO-3 shards)
     model.json            the model spec and the data schema (task, columns, classes, vocab)
-    preprocessors.json    the preprocessors fitted on the train split, as JSON
+    preprocessors.json    the preprocessors fitted on the train split, as JSON, and (tables) the
+                          profile of each feature column in the train split
     metrics.json          final metrics and the per-epoch history
 
     bundle = load_bundle("runs/digits-20261129-101500/bundle")
@@ -29,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
+from flotilla.data._columns import as_numbers
 from flotilla.errors import BundleError
 from flotilla.models import build_model
 from flotilla.spec import CustomModelSpec, ModelSpec
@@ -75,10 +77,25 @@ class InferenceBundle:
     feature_steps: list
     classes: list | None
     metrics: dict[str, Any]
+    # Tables: per feature column, its kind, range or values in the train split (None in bundles
+    # written before profiles existed).
+    profile: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self):
         columns = self.schema.feature_columns
         self._array_transform = array_transform(self.feature_steps, columns) if columns else None
+
+    @property
+    def categorical(self) -> list[str]:
+        """The feature columns whose raw values are categories (strings)."""
+        return list(self.schema.categorical_columns or [])
+
+    def example_rows(self, n: int) -> pd.DataFrame | np.ndarray:
+        """`n` rows this bundle accepts (for warming up): zeros, or gaps in categorical columns."""
+        columns = self.schema.feature_columns
+        if not self.categorical:
+            return np.zeros((n, len(columns)))
+        return pd.DataFrame({c: [None if c in self.categorical else 0.0] * n for c in columns})
 
     @property
     def task(self) -> str:
@@ -96,11 +113,14 @@ class InferenceBundle:
     def transform(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> torch.Tensor:
         """Raw rows → the model's input tensor, with the preprocessors fitted at training time.
 
-        `rows` may be a float array already in `schema.feature_columns` order (serving).
+        `rows` may be an array already in `schema.feature_columns` order (serving): floats with NaN
+        for a gap, or objects where columns are categorical.
         """
         if self.task == "lm":
             raise BundleError("this is a language-model bundle; use generate() or score()")
         columns = self.schema.feature_columns
+        if isinstance(rows, np.ndarray) and self._array_transform is None and rows.dtype == object:
+            rows = pd.DataFrame(rows, columns=columns) if rows.ndim == 2 and rows.shape[1] == len(columns) else rows
         if isinstance(rows, np.ndarray):
             if rows.ndim != 2 or rows.shape[1] != len(columns):
                 raise BundleError(f"rows of shape {rows.shape}; this model needs (n, {len(columns)})")
@@ -113,7 +133,11 @@ class InferenceBundle:
                     f"rows lack feature column(s) {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; "
                     f"this model needs {len(columns)} columns: {', '.join(columns[:10])}{' ...' if len(columns) > 10 else ''}"
                 )
-            array = df[columns].to_numpy(dtype="float64")
+            if self._array_transform is None:  # categorical columns: Ray's steps on the raw values
+                features = apply_all(self.feature_steps, df[columns].copy())[FEATURES]
+                return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
+            array = np.column_stack([as_numbers(df[c]).to_numpy() for c in columns]) if len(df) else \
+                np.empty((0, len(columns)))
         if self._array_transform is not None:
             return torch.from_numpy(np.ascontiguousarray(self._array_transform(array), dtype=np.float32))
         features = apply_all(self.feature_steps, pd.DataFrame(array, columns=columns))[FEATURES]
@@ -245,4 +269,5 @@ def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -
         feature_steps=[from_json(e) for e in preprocessors.get("features", [])],
         classes=classes if label is not None else None,
         metrics=json.loads((root / METRICS_JSON).read_text()),
+        profile=preprocessors.get("profile"),
     )

@@ -85,6 +85,10 @@ class TrainingError(FlotillaError):
     """Training failed on a worker for a reason that is not one of the above."""
 
 
+class NotFiniteError(TrainingError):
+    """The loss stopped being a number (NaN or infinite): the run stops, fails and registers nothing."""
+
+
 class TrackingError(FlotillaError):
     """The MLflow tracking store or model registry cannot be used as configured."""
 

@@ -8,6 +8,7 @@ lines, the quality gate, sweeps and the `flotilla` command read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TASKS = ("classification", "regression", "lm")
@@ -23,7 +24,12 @@ class Metric:
         return f"{self.name} {value:{self.fmt}}"
 
     def better(self, a: float, b: float, tolerance: float = 0.0) -> bool:
-        """True when `a` is no worse than `b` (within `tolerance`, in the metric's units)."""
+        """True when `a` is no worse than `b` (within `tolerance`, in the metric's units). A value
+        that is not a finite number is worse than any finite one."""
+        if not math.isfinite(a):
+            return False
+        if not math.isfinite(b):
+            return True
         return a >= b - tolerance if self.mode == "max" else a <= b + tolerance
 
 
@@ -65,3 +71,9 @@ def mode_of(name: str) -> str:
 def metric(name: str) -> Metric:
     """The table's entry for `name`; unknown names print with four decimals and are minimized."""
     return _BY_NAME.get(name) or Metric(name, "min", ".4f")
+
+
+def not_finite(metrics: dict) -> list[str]:
+    """The names of the numeric metrics in `metrics` that are NaN or infinite."""
+    return sorted(k for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v))

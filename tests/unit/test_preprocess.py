@@ -6,13 +6,20 @@ import pyarrow.fs as pafs
 import pytest
 
 from flotilla.data import ByteWindows, apply_all, fingerprint, from_json, split_rows, to_json
-from flotilla.data._preprocess import tabular_preprocessors
 from flotilla.errors import BundleError
+
+
+def _scaling_steps(columns: list[str], scaling: str):
+    """A scaler (unfitted) and the concatenator, as the tabular steps end."""
+    from ray.data.preprocessors import Concatenator, MinMaxScaler, StandardScaler
+
+    steps = [StandardScaler(columns)] if scaling == "standard" else [MinMaxScaler(columns)] if scaling == "minmax" else []
+    return steps + [Concatenator(columns=columns, output_column_name="features", dtype=np.float32)]
 
 
 def _fitted_steps(df: pd.DataFrame, scaling: str):
     """Fit the way Ray's StandardScaler/MinMaxScaler do, without a cluster: set their stats."""
-    steps = tabular_preprocessors(["a", "b"], scaling)
+    steps = _scaling_steps(["a", "b"], scaling)
     if scaling == "standard":
         steps[0].stats_ = {f"mean({c})": df[c].mean() for c in "ab"} | {f"std({c})": df[c].std(ddof=0) for c in "ab"}
     else:
@@ -96,10 +103,10 @@ def test_fingerprint_changes_with_content_or_spec_not_location(tmp_path):
 @pytest.mark.parametrize("scaler", ["standard", "minmax", "none"])
 def test_the_array_fast_path_equals_rays_transform_batch(scaler):
     """Serving transforms arrays with `array_transform`; it must match Ray's own transform exactly."""
-    from flotilla.data import FEATURES, apply_all, array_transform, tabular_preprocessors
+    from flotilla.data import FEATURES, apply_all, array_transform
 
     columns = ["a", "b", "c", "d"]
-    steps = tabular_preprocessors(columns, scaler)
+    steps = _scaling_steps(columns, scaler)
     if scaler == "standard":
         steps[0].stats_ = {"mean(a)": 1.5, "std(a)": 2.0, "mean(b)": -3.0, "std(b)": 0.0,  # constant column
                            "mean(c)": 0.0, "std(c)": 1e-12, "mean(d)": None, "std(d)": None}  # no values seen

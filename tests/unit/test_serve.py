@@ -39,11 +39,12 @@ def test_zero_weights_get_no_traffic_and_an_all_zero_split_is_refused():
 @pytest.mark.parametrize(
     "body, field, message",
     [
-        ({"instances": [["1"]]}, "instances[0][0]", "valid number"),
-        ({"instances": [[True]]}, "instances[0][0]", "valid number"),
+        ({"instances": [[[1]]]}, "instances[0][0]", "a finite number, a string, a boolean or null"),
+        ({"instances": [[{"a": 1}]]}, "instances[0][0]", "a finite number, a string, a boolean or null"),
+        ({"instances": [["x" * 1001]]}, "instances[0][0]", "at most 1000 characters"),
         ({"instances": [[float("nan")]]}, "instances[0][0]", "finite"),
         ({"instances": [[float("inf")]]}, "instances[0][0]", "finite"),
-        ({"instances": [{"a": None}]}, "instances[0].a", "valid number"),
+        ({"instances": [{"a": float("-inf")}]}, "instances[0].a", "finite"),
         ({"instances": [7]}, "instances[0]", "list of feature values or an object"),
         ({"instances": []}, "instances", "at least 1"),
         ({}, "instances", "required field is missing"),

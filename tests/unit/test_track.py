@@ -55,6 +55,22 @@ def test_champion_comparison_respects_direction_and_tolerance():
     assert decision.passed and "no champion yet" in decision.summary()
 
 
+def test_a_metric_that_is_not_a_finite_number_never_passes_the_gate():
+    """The run that had this test written: train_loss nan, val_accuracy plausible, promoted."""
+    nan = float("nan")
+    decision = check_rules(GateSpec(require=["val_accuracy >= 0.5"]), {"val_accuracy": 0.9, "train_loss": nan})
+    assert not decision.passed and "train_loss nan: not a finite number FAILED" in decision.summary()
+    decision = check_rules(GateSpec(require=["val_loss < 1"]), {"val_loss": nan})
+    assert not decision.passed
+    gate = GateSpec(beat_champion=True)
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "regression", nan, 5.0, "2", 10)
+    assert not decision.passed  # a NaN rmse does not beat a champion
+    decision = check_rules(gate, {})
+    compare_with_champion(decision, gate, "classification", 0.5, nan, "2", 10)
+    assert decision.passed  # a champion that answers NaN is beaten by any finite candidate
+
+
 @pytest.mark.parametrize(
     "rule, message",
     [

@@ -4,10 +4,12 @@
     prepared.train, prepared.val           # lazy ray.data.Dataset objects, transformed
     prepared.schema, prepared.preprocessors, prepared.fingerprint
 
-Nothing here collects rows on the driver: the split, the fitting (Ray Data aggregations)
-and the transforms all run as Ray Data tasks.
+Nothing here collects rows on the driver: the split, the statistics the preprocessors are
+fitted from (one pass, per block) and the transforms all run as Ray Data tasks.
 """
 
+from flotilla.data._columns import (CastColumns, Column, FittedColumns, as_category, describe_columns, fit_columns,
+                                    plan_columns)
 from flotilla.data._fingerprint import fingerprint
 from flotilla.data._prepare import PreparedData, prepare_data, resolve_task, split_rows, wait_for_data_cpu
 from flotilla.data._preprocess import (
@@ -18,7 +20,6 @@ from flotilla.data._preprocess import (
     apply_all,
     array_transform,
     from_json,
-    tabular_preprocessors,
     to_json,
 )
 from flotilla.data._schema import DataSchema
@@ -27,6 +28,9 @@ from flotilla.data._sources import BUILTIN_SOURCES, cache_dir, filesystem_for, r
 __all__ = [
     "BUILTIN_SOURCES",
     "ByteWindows",
+    "CastColumns",
+    "Column",
+    "FittedColumns",
     "DataSchema",
     "FEATURES",
     "PreparedData",
@@ -34,15 +38,18 @@ __all__ = [
     "VOCAB_SIZE",
     "apply_all",
     "array_transform",
+    "as_category",
     "cache_dir",
+    "describe_columns",
     "filesystem_for",
+    "fit_columns",
     "fingerprint",
     "from_json",
+    "plan_columns",
     "prepare_data",
     "resolve_source",
     "resolve_task",
     "split_rows",
-    "tabular_preprocessors",
     "to_json",
     "wait_for_data_cpu",
 ]

@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import ray.data
 from ray.data.context import ShuffleStrategy
-from ray.data.preprocessor import Preprocessor
 from ray.data.preprocessors import LabelEncoder
 
 from flotilla.spec import GPTSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
 from flotilla.data._schema import DataSchema
-from flotilla.data._preprocess import VOCAB_SIZE, ByteWindows, tabular_preprocessors, to_json
+from flotilla.data._columns import Column, block_stats, fit_columns, merge_stats, plan_columns, stats_row
+from flotilla.data._preprocess import VOCAB_SIZE, ByteWindows, to_json
 from flotilla.data._sources import ResolvedSource, resolve_source
 from flotilla.errors import ClusterError, DataError, summarize
 
@@ -38,6 +38,9 @@ class PreparedData:
     # The validation rows as read (selected columns, no preprocessing): what a served model
     # would be sent, for comparing bundles on the same rows. Lazy; read again when iterated.
     val_raw: ray.data.Dataset | None = field(default=None, repr=False)
+    # Tables: per feature column, what the train split holds (type, gaps, values, range) and how it
+    # is encoded; logged with the run, kept in the bundle, and what serving compares requests with.
+    profile: dict[str, dict[str, Any]] | None = field(default=None, repr=False)
 
 
 def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> pd.DataFrame:
@@ -96,24 +99,32 @@ def prepare_data(spec: RunSpec) -> PreparedData:
 
     train, val = side("train"), side("val")
     val_raw = val
+    profile: dict[str, Any] | None = None
     if text:
         steps = [ByteWindows(d.text_column, spec.model.context)]
         label_step = None
         schema = DataSchema(task="lm", vocab_size=VOCAB_SIZE, context=spec.model.context, text_column=d.text_column)
     else:
-        steps = tabular_preprocessors(features, d.scaling)
         task = _task(d.task, types[label])
-        label_step = LabelEncoder(label_column=label) if task == "classification" else None
+        columns = plan_columns(d, features, types, source.description)
+        stats = _one_pass(ds, columns, label, task == "classification", d.split_seed, d.val_fraction)
+        if stats["label_missing"]:
+            raise DataError(f"label column {label!r} of {source.description!r} has {stats['label_missing']} missing "
+                            "value(s); drop or fill those rows before training")
+        fitted = fit_columns(columns, stats, d, source.description)
+        steps, profile = fitted.steps, fitted.profile
+        train_rows, val_rows = stats["rows"], stats["val_rows"]
         fields: dict[str, Any] = {"task": task, "feature_columns": features, "label_column": label,
-                                  "num_features": len(features)}
-        for step in steps:
-            if step.fit_status() != Preprocessor.FitStatus.NOT_FITTABLE:
-                step.fit(train)
-        if label_step is not None:
-            mapping, train_rows, val_rows = _fit_label_encoder(label_step, ds, label, d.split_seed, d.val_fraction,
-                                                               source)
-            fields["classes"] = [_plain(v) for v, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
-            fields["num_classes"] = len(mapping)
+                                  "num_features": fitted.num_features,
+                                  "categorical_columns": fitted.categorical or None}
+        label_step = None
+        if task == "classification":
+            values = sorted(stats["labels"], key=_sort_key)
+            label_step = LabelEncoder(label_column=label)
+            label_step._set_stats(stats={f"unique_values({label})": {v: i for i, v in enumerate(values)}})
+            label_step._fitted = True
+            fields["classes"] = [_plain(v) for v in values]
+            fields["num_classes"] = len(values)
         schema = DataSchema(**fields)
 
     def transform(ds_side: ray.data.Dataset) -> ray.data.Dataset:
@@ -128,7 +139,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         # Preprocessed once into the object store (not the driver): epochs then cost only
         # the training, not a re-read and re-transform on the same cores.
         train, val = train.materialize(), val.materialize()
-    if text or label_step is None:  # (a classification's label fit counted both sides' rows)
+    if text:  # (for tables, the pass of statistics counted both sides' rows)
         train_rows, val_rows = train.count(), val.count()
     unit = "context windows" if text else "rows"
     if train_rows == 0:
@@ -148,43 +159,35 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         preprocessors={
             "features": [to_json(s) for s in steps],
             "label": to_json(label_step) if label_step is not None else None,
+            **({"profile": profile} if profile is not None else {}),
         },
         fingerprint=fp,
         train_rows=train_rows,
         val_rows=val_rows,
         source=source,
         val_raw=val_raw,
+        profile=profile,
     )
 
 
-def _fit_label_encoder(step: LabelEncoder, ds: ray.data.Dataset, label: str, seed: int, val_fraction: float,
-                       source) -> tuple[dict[Any, int], int, int]:
-    """Fit `step` on the training rows of `ds` as Ray's own `fit` would (classes sorted, index =
-    position), in one pass over the whole source that also counts the rows of both sides: a
-    source too big to cache is read once here, not again for two `count()`s. Each block splits
-    itself as `split_rows` does and lists its training labels as one JSON string. (Ray's fit
-    collects value counts as dicts keyed by label, which Arrow cannot hold for integer labels,
-    so each block falls back to pickled objects and says so; Ray Data's `unique` is a shuffle,
-    with an actor per partition.) The class mapping, the training rows, the validation rows."""
-    per_block = ds.map_batches(_labels_of_block, batch_format="pandas", batch_size=None,
-                               fn_kwargs={"label": label, "seed": seed, "val_fraction": val_fraction}).take_all()
-    rows = sum(int(row["rows"]) for row in per_block)
-    val_rows = sum(int(row["val_rows"]) for row in per_block)
-    values = sorted({v for row in per_block for v in json.loads(row["labels"])}, key=_sort_key)
-    if any(v is None or (isinstance(v, float) and v != v) for v in values):
-        raise DataError(f"label column {label!r} of {source.description!r} has missing values; "
-                        "drop or fill those rows before training")
-    mapping = {v: i for i, v in enumerate(values)}
-    step._set_stats(stats={f"unique_values({label})": mapping})
-    step._fitted = True
-    return mapping, rows, val_rows
+def _one_pass(ds: ray.data.Dataset, columns: list[Column], label: str, classes: bool, seed: int,
+              val_fraction: float) -> dict[str, Any]:
+    """Everything the preprocessors are fitted from, in one pass over the whole source (a source
+    too big to cache is read once here): each block splits itself as `split_rows` does and returns
+    its statistics as one JSON string (`flotilla.data._columns`); the driver merges them. (Fitting
+    Ray's preprocessors one by one is a pass each, and Ray's label fit collects dicts keyed by
+    label, which Arrow cannot hold for integer labels.)"""
+    per_block = ds.map_batches(_stats_of_block, batch_format="pandas", batch_size=None,
+                               fn_kwargs={"columns": columns, "label": label, "classes": classes, "seed": seed,
+                                          "val_fraction": val_fraction}).take_all()
+    return merge_stats([json.loads(row["stats"]) for row in per_block], columns)
 
 
-def _labels_of_block(df: pd.DataFrame, label: str, seed: int, val_fraction: float) -> pd.DataFrame:
+def _stats_of_block(df: pd.DataFrame, columns: list[Column], label: str, classes: bool, seed: int,
+                    val_fraction: float) -> pd.DataFrame:
     train = split_rows(df, seed, val_fraction, "train")
-    values = [v.item() if hasattr(v, "item") else v for v in train[label].unique()]
-    return pd.DataFrame({"labels": [json.dumps([None if v is pd.NA else v for v in values])], "rows": [len(train)],
-                         "val_rows": [len(df) - len(train)]})
+    val = split_rows(df, seed, val_fraction, "val")
+    return stats_row(block_stats(train, val, columns, label, classes))
 
 
 def _sort_key(value: Any) -> tuple:
@@ -284,21 +287,11 @@ def _check_tabular_columns(spec: RunSpec, source, columns, types) -> tuple[list[
             f"feature column(s) {', '.join(map(repr, missing))} from data.features are not in "
             f"{source.description!r}; columns: {', '.join(columns)}"
         )
-    for f in features:
-        if f in types and not _numeric(types[f]):
-            problems.append(
-                f"feature column {f!r} is {types[f]}, not numeric; drop it from data.features "
-                "or encode it as numbers before training"
-            )
     if not features:
         problems.append(f"{source.description!r} has no feature columns besides the label {d.label!r}")
     if problems:
         raise DataError("the data does not match the spec:\n  - " + "\n  - ".join(problems))
     return list(features), d.label
-
-
-def _numeric(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
 
 
 def _task(requested: str, label_type: pa.DataType) -> str:

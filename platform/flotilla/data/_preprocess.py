@@ -1,9 +1,9 @@
 """Declarative preprocessing with Ray Data's preprocessors, saved as JSON.
 
-Tabular rows: numeric scaling (Ray's StandardScaler / MinMaxScaler), then the feature
-columns are concatenated into one float32 `features` column (Ray's Concatenator). The
-label is encoded separately (Ray's LabelEncoder) because rows at inference time have none.
-Text: `ByteWindows` cuts UTF-8 bytes into fixed-length context windows.
+Tabular rows: the steps `flotilla.data._columns` fits (gaps filled, numeric columns scaled,
+categorical ones encoded), then the feature columns are concatenated into one float32 `features`
+column (Ray's Concatenator). The label is encoded separately (Ray's LabelEncoder) because rows at
+inference time have none. Text: `ByteWindows` cuts UTF-8 bytes into fixed-length context windows.
 
 Ray's own `Preprocessor.serialize()` is cloudpickle; the inference bundle must not unpickle
 anything, so `to_json` / `from_json` write each preprocessor's serializable fields and fitted
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from ray.data.preprocessor import Preprocessor
-from ray.data.preprocessors import Concatenator, LabelEncoder, MinMaxScaler, StandardScaler
+from ray.data.preprocessors import (Concatenator, HashingVectorizer, LabelEncoder, MinMaxScaler, OneHotEncoder,
+                                    OrdinalEncoder, SimpleImputer, StandardScaler)
 
 from flotilla.errors import BundleError
 
@@ -60,16 +61,6 @@ class ByteWindows(Preprocessor):
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def tabular_preprocessors(features: list[str], scaling: str) -> list[Preprocessor]:
-    steps: list[Preprocessor] = []
-    if scaling == "standard":
-        steps.append(StandardScaler(columns=list(features)))
-    elif scaling == "minmax":
-        steps.append(MinMaxScaler(columns=list(features)))
-    steps.append(Concatenator(columns=list(features), output_column_name=FEATURES, dtype=np.float32))
-    return steps
-
-
 def apply_all(steps: list[Preprocessor], df: pd.DataFrame) -> pd.DataFrame:
     """Apply fitted preprocessors to a pandas batch, exactly as during training."""
     for step in steps:
@@ -79,22 +70,38 @@ def apply_all(steps: list[Preprocessor], df: pd.DataFrame) -> pd.DataFrame:
 
 # ------------------------------------------------------------ serving fast path
 def array_transform(steps: list[Preprocessor], columns: list[str]):
-    """The fitted tabular steps as one vectorized function: float64 rows (in `columns` order) →
-    the float32 `features` matrix, or None when a step has no array form.
+    """The fitted tabular steps as one vectorized function: float64 rows (in `columns` order, NaN
+    for a gap) → the float32 `features` matrix, or None when a step has no array form (a
+    categorical column's encoder: those rows go through `apply_all`).
 
     Serving calls this per batch: Ray's `transform_batch` costs ~10-40 ms per call on 64
     columns whatever the batch size (per-column pandas/Arrow work), more than the model. The
-    arithmetic is Ray's own, read from the same fitted stats — mean/std (ddof 0) or min/max,
-    a spread below Ray's epsilon treated as 1, a missing stat giving NaN — and a unit test
-    holds it equal to `transform_batch` on the same rows.
+    arithmetic is Ray's own, read from the same fitted stats — a gap filled with the imputer's
+    value, then mean/std (ddof 0) or min/max, a spread below Ray's epsilon treated as 1, a missing
+    stat giving NaN — and a unit test holds it equal to `transform_batch` on the same rows.
     """
     from ray.data.preprocessors.scaler import _EPSILON
 
+    from flotilla.data._columns import CastColumns
+
     index = {c: i for i, c in enumerate(columns)}
+    fill = np.full(len(columns), np.nan)
     shift = np.zeros(len(columns))
     scale = np.ones(len(columns))
+    scaled = np.zeros(len(columns), dtype=bool)
     for step in steps[:-1]:
-        if isinstance(step, (StandardScaler, MinMaxScaler)) and list(step.output_columns) == list(step.columns):
+        if isinstance(step, CastColumns):
+            if step.categorical or any(c not in index for c in step.numeric):
+                return None
+        elif isinstance(step, SimpleImputer) and list(step.output_columns) == list(step.columns):
+            for col in step.columns:
+                value = step.fill_value if step.strategy == "constant" else step.stats_.get(f"{step.strategy}({col})")
+                # A gap is filled before scaling, once; a fill that is not a number has no array form.
+                if col not in index or scaled[index[col]] or not np.isnan(fill[index[col]]) \
+                        or not isinstance(value, (int, float)) or isinstance(value, bool):
+                    return None
+                fill[index[col]] = value
+        elif isinstance(step, (StandardScaler, MinMaxScaler)) and list(step.output_columns) == list(step.columns):
             for col in step.columns:
                 if col not in index:
                     return None
@@ -108,9 +115,9 @@ def array_transform(steps: list[Preprocessor], columns: list[str]):
                 elif spread < _EPSILON:
                     spread = 1
                 # Steps on disjoint columns compose; the same column twice would not be one affine map.
-                if shift[index[col]] != 0 or scale[index[col]] != 1:
+                if scaled[index[col]]:
                     return None
-                shift[index[col]], scale[index[col]] = lo, spread
+                shift[index[col]], scale[index[col]], scaled[index[col]] = lo, spread, True
         else:
             return None
     last = steps[-1] if steps else None
@@ -120,44 +127,73 @@ def array_transform(steps: list[Preprocessor], columns: list[str]):
         return None
     order = np.asarray([index[c] for c in last.columns])
     dtype = last.dtype or np.float64
+    gaps = ~np.isnan(fill)
 
     def transform(rows: np.ndarray) -> np.ndarray:
+        if gaps.any():
+            rows = np.where(np.isnan(rows) & gaps, fill, rows)
         return ((rows - shift) / scale)[:, order].astype(dtype, copy=False)
 
     return transform
 
 
 # -------------------------------------------------------------------- JSON form
-_KNOWN = {cls.__name__: cls for cls in (StandardScaler, MinMaxScaler, LabelEncoder, Concatenator)}
+_KNOWN = {cls.__name__: cls for cls in (StandardScaler, MinMaxScaler, LabelEncoder, Concatenator, SimpleImputer,
+                                         OneHotEncoder, OrdinalEncoder, HashingVectorizer)}
 
 
 def to_json(step: Preprocessor) -> dict[str, Any]:
+    from flotilla.data._columns import CastColumns
+
     if isinstance(step, ByteWindows):
         return {"type": "ByteWindows", "fields": {"text_column": step.text_column, "context": step.context}}
+    if isinstance(step, CastColumns):
+        return {"type": "CastColumns", "fields": {"numeric": step.numeric, "categorical": step.categorical}}
     name = type(step).__name__
     if name not in _KNOWN:
         raise TypeError(f"preprocessor {name} has no JSON form")
     return {
         "type": name,
         "version": step.get_version(),
-        "fields": _encode(step._get_serializable_fields()),
+        "fields": _encode(_fields(step)),
         "stats": _encode(dict(step._get_stats())),
     }
 
 
+def _fields(step: Preprocessor) -> dict[str, Any]:
+    fields = step._get_serializable_fields()
+    if isinstance(step, HashingVectorizer):
+        # A function; Flotilla uses Ray's default (split on spaces), which `from_json` restores.
+        from ray.data.preprocessors.utils import simple_split_tokenizer
+
+        if fields.pop("tokenization_fn") is not simple_split_tokenizer:
+            raise TypeError("a HashingVectorizer with its own tokenization_fn has no JSON form")
+    return fields
+
+
 def from_json(entry: dict[str, Any]) -> Preprocessor:
+    from flotilla.data._columns import CastColumns
+
     kind = entry.get("type")
     if kind == "ByteWindows":
         return ByteWindows(**entry["fields"])
+    if kind == "CastColumns":
+        return CastColumns(**entry["fields"])
     if kind not in _KNOWN:
-        raise BundleError(f"unknown preprocessor type {kind!r} in bundle; known: ByteWindows, {', '.join(_KNOWN)}")
+        raise BundleError(f"unknown preprocessor type {kind!r} in bundle; known: ByteWindows, CastColumns, "
+                          f"{', '.join(_KNOWN)}")
     cls = _KNOWN[kind]
     # The same steps Ray's own deserialize() takes, from JSON instead of cloudpickle.
     from ray.data.preprocessors.utils import StatComputationPlan
 
     step = cls.__new__(cls)
     step._stat_computation_plan = StatComputationPlan()
-    step._set_serializable_fields(fields=_decode(entry["fields"]), version=entry.get("version", 1))
+    fields = _decode(entry["fields"])
+    if cls is HashingVectorizer:
+        from ray.data.preprocessors.utils import simple_split_tokenizer
+
+        fields["tokenization_fn"] = simple_split_tokenizer
+    step._set_serializable_fields(fields=fields, version=entry.get("version", 1))
     step._set_stats(stats=_decode(entry.get("stats", {})))
     step._fitted = True
     return step

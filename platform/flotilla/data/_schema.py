@@ -21,7 +21,8 @@ class DataSchema(BaseModel):
     # tabular tasks
     feature_columns: Optional[list[str]] = None
     label_column: Optional[str] = None
-    num_features: Optional[int] = None
+    num_features: Optional[int] = None  # the width of the encoded feature vector the model takes
+    categorical_columns: Optional[list[str]] = None  # feature columns whose raw values are strings
     classes: Optional[list[Any]] = None  # classification: the label values, index = class id
     num_classes: Optional[int] = None
     # language models

@@ -1,19 +1,44 @@
 """Request and response bodies of the serving API, and how their validation errors read.
 
-Every schema forbids unknown fields; numbers must be finite JSON numbers (no strings, no
-booleans, no NaN or Infinity). Limits that depend on the deployment (instances per request,
-tokens per generation, the model's feature count) are checked by the server, with the same
-error shape: `{"error": "...", "status": 422, "fields": [{"field": "instances[2]", "message": "..."}]}`.
+Every schema forbids unknown fields; numbers must be finite JSON numbers (no NaN or Infinity).
+A feature value is a finite number, a string (a category), a boolean or null (a missing value,
+which the model's imputer fills). What depends on the model (which columns take strings or
+booleans, the feature count) and on the deployment (instances per request, tokens per
+generation) is checked by the server, with the same error shape:
+`{"error": "...", "status": 422, "fields": [{"field": "instances[2]", "message": "..."}]}`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import (AllowInfNan, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
-                      field_validator)
+from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag,
+                      ValidationError, WithJsonSchema, field_validator)
 
 Number = Annotated[float, Strict(), AllowInfNan(False)]
+MAX_CATEGORY_CHARS = 1000  # a categorical value longer than this is no category
+
+
+def _feature_value(value: Any) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("a number must be finite (no NaN or Infinity)")
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_CATEGORY_CHARS:
+            raise ValueError(f"a string value is at most {MAX_CATEGORY_CHARS} characters")
+        return value
+    raise ValueError("a feature value is a finite number, a string, a boolean or null (missing)")
+
+
+Value = Annotated[
+    Any,
+    BeforeValidator(_feature_value),
+    WithJsonSchema({"anyOf": [{"type": "number"}, {"type": "string", "maxLength": MAX_CATEGORY_CHARS},
+                              {"type": "boolean"}, {"type": "null"}]}),
+]
 INT64_MAX = 2**63 - 1  # what a seed or a count may be: torch takes 64-bit integers
 MIN_TEMPERATURE = 0.01
 
@@ -23,7 +48,7 @@ def _instance_form(value: Any) -> str | None:
 
 
 Instance = Annotated[
-    Union[Annotated[list[Number], Tag("row")], Annotated[dict[str, Number], Tag("record")]],
+    Union[Annotated[list[Value], Tag("row")], Annotated[dict[str, Value], Tag("record")]],
     Discriminator(
         _instance_form,
         custom_error_type="instance_form",
@@ -38,7 +63,8 @@ class _Body(BaseModel):
 
 
 class PredictRequest(_Body):
-    """Rows to predict: each a list of feature values in the model's column order, or an object by column name."""
+    """Rows to predict: each a list of feature values in the model's column order, or an object by column name.
+    A value is a number, a string for a categorical column, a boolean for a boolean one, or null when missing."""
 
     instances: list[Instance] = Field(..., min_length=1, description="The rows to predict (at least one).")
 
@@ -116,6 +142,8 @@ def validation_fields(error: ValidationError) -> list[ErrorField]:
             msg = "unknown field; remove it"
         elif err["type"] == "missing":
             msg = "required field is missing"
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            msg = str(err["ctx"]["error"])  # without pydantic's "Value error, " prefix
         fields.append(ErrorField(field=path, message=msg))
     return fields
 

@@ -24,11 +24,13 @@ import time
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from flotilla.data._columns import as_category, as_numbers
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
 from flotilla.serve._schemas import (
@@ -136,6 +138,9 @@ class _ModelServer:
                                 "outcome: agree yes/no, error, or dropped (the replica was busy).", tags + ("agree",))
         self.m_shadow_latency = Histogram("flotilla_shadow_latency_ms", "Shadow forward latency (ms).", LATENCY_MS, tags)
         self.m_tokens = Counter("flotilla_generated_tokens", "Tokens (bytes) generated, by version.", tags)
+        self.m_outside = Counter("flotilla_out_of_profile_values", "Feature values outside the train split's profile "
+                                 "(below_min, above_max, unseen_category), by column: answered, and counted here.",
+                                 tags + ("column", "reason"))
 
     # ------------------------------------------------------------------ versions
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -275,6 +280,67 @@ def bundle_columns(bundle) -> set[str]:
     return cached
 
 
+class _Columns:
+    """What a version's feature columns accept, and the train split's range and values to flag
+    requests by (`flotilla_out_of_profile_values`)."""
+
+    def __init__(self, bundle):
+        columns = bundle.schema.feature_columns
+        profile = bundle.profile or {}
+        categorical = set(bundle.categorical)
+        self.names = columns
+        self.kinds = ["categorical" if c in categorical else
+                      "boolean" if profile.get(c, {}).get("dtype") == "bool" else "numeric" for c in columns]
+        self.numeric_only = not categorical
+        self.numeric = [i for i, k in enumerate(self.kinds) if k != "categorical"]
+        lows = [profile.get(columns[i], {}).get("min") for i in self.numeric]
+        highs = [profile.get(columns[i], {}).get("max") for i in self.numeric]
+        self.low = np.array([-np.inf if v is None else v for v in lows], dtype=np.float64)
+        self.high = np.array([np.inf if v is None else v for v in highs], dtype=np.float64)
+        self.values = {c: set(profile[c]["values"]) for c in categorical if "values" in profile.get(c, {})}
+
+    def problems(self, row: list) -> list[tuple[int, str]]:
+        """(column index, message) for each value the column cannot take."""
+        if self.numeric_only and all(type(v) is float or type(v) is int for v in row):
+            return []
+        found = []
+        for j, (value, kind) in enumerate(zip(row, self.kinds)):
+            if value is None or kind == "categorical":
+                continue
+            if isinstance(value, str) or (isinstance(value, bool) and kind != "boolean"):
+                what = "a string" if isinstance(value, str) else "a boolean"
+                found.append((j, f"column {self.names[j]!r} is numeric; send a number (or null when missing), "
+                                 f"not {what}"))
+        return found
+
+    def outside(self, rows) -> dict[tuple[str, str], int]:
+        """Counts of values outside the train split's profile: (column, reason) → values."""
+        counts: dict[tuple[str, str], int] = {}
+        if isinstance(rows, np.ndarray):
+            numbers = rows[:, self.numeric]
+        else:
+            numbers = np.column_stack([as_numbers(rows[self.names[i]]).to_numpy() for i in self.numeric]) \
+                if self.numeric else np.empty((len(rows), 0))
+            for name, seen in self.values.items():
+                values = rows[name].map(as_category)
+                unseen = int((values.notna() & ~values.isin(seen)).sum())
+                if unseen:
+                    counts[(name, "unseen_category")] = unseen
+        with np.errstate(invalid="ignore"):
+            for reason, hits in (("below_min", numbers < self.low), ("above_max", numbers > self.high)):
+                for j in np.flatnonzero(hits.any(axis=0)):
+                    counts[(self.names[self.numeric[j]], reason)] = int(hits[:, j].sum())
+        return counts
+
+
+def bundle_kinds(bundle) -> _Columns:
+    cached = getattr(bundle, "_kinds", None)
+    if cached is None:
+        cached = _Columns(bundle)
+        bundle._kinds = cached
+    return cached
+
+
 classifier_api = _api("Flotilla classifier", "Predictions from a registered tabular model.")
 
 
@@ -285,7 +351,7 @@ class Classifier(_ModelServer):
     example = '{"instances": [[0.0, 1.5, ...]]}'
 
     def warm_up(self, bundle, rows: int) -> None:
-        bundle.predict(np.zeros((rows, len(bundle.schema.feature_columns))))
+        bundle.predict(bundle.example_rows(rows))
 
     @classifier_api.get("/", summary="What this endpoint serves")
     def describe(self) -> dict[str, Any]:
@@ -299,6 +365,7 @@ class Classifier(_ModelServer):
             version = self.choose(request)
             bundle = self.bundles[version]
             rows = self.rows(body.instances, bundle)
+            self._flag_outside(version, bundle, rows)
             out = await self.with_timeout(asyncio.shield(self._forward((version, bundle, rows))), "prediction")
             _check_finite(out)
             payload = {"model": self.model_name, "version": version, **out}
@@ -310,14 +377,16 @@ class Classifier(_ModelServer):
 
         return await self.answer(request, handle)
 
-    def rows(self, instances: list, bundle) -> np.ndarray:
-        """Instances → a float64 array in the model's column order, or 422 naming what is wrong."""
+    def rows(self, instances: list, bundle) -> np.ndarray | pd.DataFrame:
+        """Instances → a float64 array in the model's column order (NaN for a missing value), or a
+        frame of raw values where columns are categorical; or 422 naming what is wrong."""
         columns = bundle.schema.feature_columns
+        kinds = bundle_kinds(bundle)
         limit = self.limits.max_instances
         if len(instances) > limit:
             raise ApiError(422, f"instances: {len(instances)} rows; at most {limit} per request (serve.max_instances)",
                            [ErrorField(field="instances", message=f"at most {limit} rows per request")])
-        out = np.empty((len(instances), len(columns)))
+        table = []
         fields = []
         for i, inst in enumerate(instances):
             if isinstance(inst, dict):
@@ -328,16 +397,32 @@ class Classifier(_ModelServer):
                         [f"unknown feature(s): {', '.join(unknown[:5])}"] if unknown else [])
                     fields.append(ErrorField(field=f"instances[{i}]", message="; ".join(parts)))
                     continue
-                out[i] = [inst[c] for c in columns]
+                row = [inst[c] for c in columns]
             elif len(inst) != len(columns):
                 fields.append(ErrorField(field=f"instances[{i}]",
                                          message=f"{len(inst)} feature values; this model takes {len(columns)}"))
+                continue
             else:
-                out[i] = inst
+                row = inst
+            for j, message in kinds.problems(row):
+                where = f".{columns[j]}" if isinstance(inst, dict) else f"[{j}]"
+                fields.append(ErrorField(field=f"instances[{i}]{where}", message=message))
+            table.append(row)
         if fields:
             summary = "; ".join(f"{f.field}: {f.message}" for f in fields[:5])
             raise ApiError(422, f"invalid request: {summary}", fields)
-        return out
+        if kinds.numeric_only:
+            return np.array(table, dtype=np.float64)  # null → NaN, filled by the model's imputer
+        return pd.DataFrame(table, columns=columns, dtype=object)
+
+    def _flag_outside(self, version: str, bundle, rows) -> None:
+        """Count values outside what the version was trained on (a range, a set of categories):
+        served as usual, and visible as `flotilla_out_of_profile_values` by column and reason."""
+        if bundle.profile is None:
+            return
+        for (column, reason), count in bundle_kinds(bundle).outside(rows).items():
+            self.m_outside.inc(count, tags={"model": self.model_name, "version": version, "column": column,
+                                            "reason": reason})
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, max_concurrent_batches=64)
     async def _forward(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
@@ -383,7 +468,8 @@ class Classifier(_ModelServer):
             by_version.setdefault(version, []).append(i)
         for version, idx in by_version.items():
             bundle = items[idx[0]][1]
-            rows = np.concatenate([items[i][2] for i in idx])
+            parts = [items[i][2] for i in idx]
+            rows = np.concatenate(parts) if isinstance(parts[0], np.ndarray) else pd.concat(parts, ignore_index=True)
             start = time.perf_counter()
             out = await asyncio.to_thread(bundle.predict, rows)
             tags = {"model": self.model_name, "version": version}

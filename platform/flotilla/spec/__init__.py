@@ -11,6 +11,7 @@ from flotilla.spec._paths import set_path
 from flotilla.spec._reference import spec_json_schema, spec_reference_markdown
 from flotilla.spec._sections import (
     GATE_RULE,
+    ColumnSpec,
     CostSpec,
     CustomModelSpec,
     DataSpec,
@@ -31,6 +32,7 @@ __all__ = [
     "TARGET",
     "AutoscalingSpec",
     "BatchingSpec",
+    "ColumnSpec",
     "CostSpec",
     "CustomModelSpec",
     "DataSpec",

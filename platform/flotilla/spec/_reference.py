@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel
 
 from flotilla.spec._sections import (
+    ColumnSpec,
     CostSpec,
     CustomModelSpec,
     DataSpec,
@@ -28,6 +29,7 @@ def spec_reference_markdown() -> str:
     sections = [
         ("top level", RunSpec, ["name"]),
         ("data", DataSpec, None),
+        ("data.columns.<column>", ColumnSpec, None),
         ("model (kind: mlp)", MLPSpec, None),
         ("model (kind: gpt)", GPTSpec, None),
         ("model (kind: custom)", CustomModelSpec, None),

@@ -26,6 +26,34 @@ STORAGE_ENV = "FLOTILLA_STORAGE_PATH"
 
 
 # --------------------------------------------------------------------------- data
+NumericImpute = Literal["mean", "median", "constant"]
+CategoricalEncoding = Literal["onehot", "ordinal", "hash"]
+
+
+class ColumnSpec(_Section):
+    """How one feature column becomes numbers; what is left unset follows the column's type and the
+    `data` section's defaults."""
+
+    kind: Literal["auto", "numeric", "categorical"] = Field(
+        "auto",
+        description="`auto`: numbers and booleans are numeric, strings categorical; `categorical` also "
+        "takes a numeric column by value (codes, ZIP codes).",
+    )
+    impute: Optional[Literal["mean", "median", "constant", "most_frequent", "category"]] = Field(
+        None,
+        description="Missing values: numeric `mean`, `median` or `constant` (default `data.impute`); categorical "
+        "`category` (the default: missing is a category of its own), `most_frequent` or `constant`.",
+    )
+    fill_value: Optional[Union[float, str]] = Field(
+        None, description="The value `impute: constant` fills in (default `data.fill_value`, or `missing` for a categorical column)."
+    )
+    encode: Optional[CategoricalEncoding] = Field(
+        None,
+        description="Categorical columns: `onehot`, `ordinal` or `hash`; default by the number of distinct values "
+        "(see `data.onehot_max`).",
+    )
+
+
 class DataSpec(_Section):
     """Where the rows come from and how they become tensors."""
 
@@ -38,7 +66,8 @@ class DataSpec(_Section):
         "auto", description="File format; `auto` decides from the file extension."
     )
     features: Optional[list[str]] = Field(
-        None, description="Feature columns (numeric). Null means every column except `label`."
+        None, description="Feature columns: numbers, booleans or strings (categories). Null means every column "
+        "except `label`."
     )
     label: Optional[str] = Field(
         "target", description="Label column (classification or regression). Unused for text sources."
@@ -51,6 +80,28 @@ class DataSpec(_Section):
     )
     scaling: Literal["standard", "minmax", "none"] = Field(
         "standard", description="Numeric feature scaling, fitted on the train split only."
+    )
+    impute: NumericImpute = Field(
+        "mean",
+        description="How missing numeric values (empty cells, nulls, NaN) are filled: the train split's mean or "
+        "median, or `fill_value`. Missing values never reach the model; a missing categorical value is a "
+        "category of its own.",
+    )
+    fill_value: float = Field(0.0, description="The number `impute: constant` fills in.")
+    onehot_max: int = Field(
+        16, ge=1,
+        description="A categorical column with at most this many distinct values in the train split is one-hot "
+        "encoded; one with more is encoded as `high_cardinality` says. A value never seen in training "
+        "encodes as all zeros (one-hot), -1 (ordinal) or its hash.",
+    )
+    high_cardinality: Literal["hash", "ordinal"] = Field(
+        "hash", description="Encoding of categorical columns above `onehot_max`: hashed into `hash_buckets` "
+        "counts, or one ordinal number per value (sorted)."
+    )
+    hash_buckets: int = Field(32, ge=2, description="Buckets of the `hash` encoding, per column.")
+    columns: dict[str, ColumnSpec] = Field(
+        default_factory=dict,
+        description="Per-column overrides by column name, e.g. `--set data.columns.city.encode=ordinal`.",
     )
     val_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of rows (or documents, for text) held out for validation."

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from flotilla.metrics import primary_metric
+from flotilla.metrics import not_finite, primary_metric
 from flotilla.spec import GATE_RULE, GateSpec
 from flotilla.data import TOKENS, ByteWindows
 
@@ -31,7 +31,13 @@ class GateDecision:
 
 
 def check_rules(gate: GateSpec, metrics: dict[str, Any]) -> GateDecision:
+    """The spec's rules on the run's final metrics; a run with any metric that is not a finite
+    number fails, whatever the rules say."""
     decision = GateDecision(passed=True)
+    broken = not_finite(metrics)
+    if broken:
+        decision.passed = False
+        decision.checks.append(f"{', '.join(f'{k} {metrics[k]}' for k in broken)}: not a finite number FAILED")
     for rule in gate.require:
         name, op, bound = GATE_RULE.match(rule).groups()
         if name not in metrics:
@@ -39,7 +45,7 @@ def check_rules(gate: GateSpec, metrics: dict[str, Any]) -> GateDecision:
             decision.checks.append(f"{rule}: the run reported no {name} (it has {', '.join(sorted(metrics))})")
             continue
         value = float(metrics[name])
-        ok = _OPS[op](value, float(bound))
+        ok = math.isfinite(value) and _OPS[op](value, float(bound))
         decision.passed &= ok
         decision.numbers[f"gate.{name}"] = value
         decision.checks.append(f"{name} {value:.4f} {op} {bound} {'ok' if ok else 'FAILED'}")

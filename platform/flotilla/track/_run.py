@@ -34,7 +34,8 @@ import flotilla
 from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
-from flotilla.errors import BundleError, TrackingError, summarize
+from flotilla.errors import BundleError, NotFiniteError, TrackingError, summarize
+from flotilla.metrics import not_finite
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import GateDecision, check_rules, compare_with_champion, evaluate_bundles
 from flotilla.track._registry import (
@@ -94,7 +95,7 @@ class EpochMetricsLogger(ray.train.UserCallback):
         self.__init__(state["uri"], state["run_id"], state["logged_steps"])
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics:
+        if not metrics or "not_finite" in metrics[0]:  # the run stopped on a NaN loss: no epoch to log
             return
         step = int(metrics[0].get("epoch", 0))
         if step in self.logged_steps:
@@ -188,6 +189,8 @@ class Tracker:
         }
         self.client.log_batch(self.run_id, tags=[RunTag(k, redact(v)) for k, v in tags.items()])
         self._log_text(spec_to_yaml(self.spec), "spec.yaml")
+        if prepared.profile is not None:  # per feature column: type, gaps, range or values, encoding
+            self._log_text(json.dumps(prepared.profile, indent=1), "data_profile.json")
         self._log_input(prepared)
         self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "train_loss")}
         how = f"continued, {len(self.logged_steps)} epochs logged before" if self.continued else "new"
@@ -218,6 +221,12 @@ class Tracker:
                 curve = plot_training_curves(history, Path(tmp) / "training_curves.png", self.run_name)
                 self.client.log_artifact(self.run_id, str(curve))
                 self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
+            broken = not_finite(final)
+            if broken:
+                error = NotFiniteError(f"run {self.run_name!r} finished with metrics that are not finite numbers "
+                                       f"({', '.join(f'{k} {final[k]}' for k in broken)}); not registered")
+                self.fail(error)
+                raise error
             if self.spec.track.register_model:
                 registration = self.register_bundle(bundle_dir, final, outcome.fingerprint, prepared)
             else:
@@ -311,9 +320,10 @@ class Tracker:
             example = pd.DataFrame({"prompt": ["def "]})
             params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
         else:
-            # Features as float64, the type the bundle scales them in; MLflow's schema then
-            # accepts float32 and int32 columns too (safe widenings).
-            example = prepared.val_raw.limit(3).to_pandas()[prepared.schema.feature_columns].astype("float64")
+            # Numeric features as float64, the type the bundle scales them in (MLflow's schema then
+            # accepts float32 and int32 columns too: safe widenings); categorical ones as strings.
+            example = _example_rows(prepared.val_raw.limit(3).to_pandas(), prepared.schema.feature_columns,
+                                    bundle.categorical, bundle.profile or {})
             params = None
         output = bundle.predict_frame(example, params)
         with warnings.catch_warnings():
@@ -476,6 +486,22 @@ def _git() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):  # a `ray job submit` working dir has no .git
         return {"mlflow.source.git.commit": "unknown", "flotilla.git_dirty": "unknown"}
     return {"mlflow.source.git.commit": commit, "flotilla.git_dirty": str(dirty).lower()}
+
+
+def _example_rows(df: pd.DataFrame, columns: list[str], categorical: list[str], profile: dict) -> pd.DataFrame:
+    """The model's input example: raw validation rows, numbers as float64, categories as strings (a
+    gap in a categorical column shown as the column's most frequent value)."""
+    from flotilla.data import as_category
+    from flotilla.data._columns import as_numbers
+
+    out = pd.DataFrame(index=df.index)
+    for c in columns:
+        if c in categorical:
+            top = (profile.get(c, {}).get("top") or [["missing"]])[0][0]
+            out[c] = df[c].map(as_category).fillna(top).astype(object)
+        else:
+            out[c] = as_numbers(df[c])
+    return out.reset_index(drop=True)
 
 
 def _pin(dist: str) -> str:

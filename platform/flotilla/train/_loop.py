@@ -48,6 +48,7 @@ from flotilla.train._precision import measured_peak_flops, resolve_precision, to
 from flotilla.train._worker_config import WorkerConfig
 
 BUNDLE_DIR = "bundle"
+NOT_FINITE = "not_finite"  # the key of the last report of a run stopped by a NaN or infinite loss
 CHECKPOINT_PREFIX = "checkpoint_epoch"  # + the epoch (4 digits) + "_" + the attempt
 
 
@@ -83,6 +84,9 @@ class Session(Protocol):
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`."""
 
+    def stop(self, message: str, epoch: int) -> None:
+        """The run cannot go on (every rank calls it, with the same message): end it without a checkpoint."""
+
 
 class _TrainWorker:
     """A Ray Train worker: Ray Train's context, dataset shards and checkpoint storage."""
@@ -100,6 +104,11 @@ class _TrainWorker:
 
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
+
+    def stop(self, message: str, epoch: int) -> None:
+        # The driver reads it from the run's last result; a raise here would be retried by Ray
+        # Train (`max_failures`) from the last checkpoint, to diverge the same way again.
+        ray.train.report({"epoch": epoch, NOT_FINITE: message})
 
 
 def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
@@ -165,6 +174,7 @@ def train(config: WorkerConfig, session: Session) -> None:
     for epoch in range(start_epoch, t.epochs):
         engine.train()
         loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
+        stopped = None
         live.start_epoch()
         step_started, data_wait = started, 0.0
         progress = _Progress(config.run_name, epoch + 1, t.epochs, micro_batches, enabled=rank == 0)
@@ -187,6 +197,13 @@ def train(config: WorkerConfig, session: Session) -> None:
             engine.backward(loss)
             engine.step()
             step_loss = loss.item()
+            bad = not math.isfinite(step_loss)
+            if world > 1:  # every rank stops at the same step, or their collectives would pair up wrongly
+                bad = _all_reduce([float(bad)], device, op=dist.ReduceOp.MAX)[0] > 0
+            if bad:
+                what = "train_loss" if not math.isfinite(step_loss) else "train_loss on another rank"
+                stopped = not_finite_message(config, what, step_loss, epoch + 1, int(engine.global_steps), precision)
+                break
             loss_sum += step_loss * len(targets)
             samples += len(targets)
             now = time.perf_counter()
@@ -197,6 +214,9 @@ def train(config: WorkerConfig, session: Session) -> None:
             if schema.task == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
         train_time = time.perf_counter() - started
+        if stopped is not None:
+            _stop(session, stopped, epoch + 1)
+            return
 
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
         totals = _all_reduce(
@@ -232,6 +252,11 @@ def train(config: WorkerConfig, session: Session) -> None:
             metrics["mfu"] = flops_per_token(model_spec, num_params) * metrics["tokens_per_s"] / (peak * world)
         if resumed_from is not None:
             metrics["resumed_from_step"] = resumed_from
+        for name in ("train_loss", "val_loss"):  # reduced over ranks: every rank sees the same
+            if not math.isfinite(metrics[name]):
+                _stop(session, not_finite_message(config, name, metrics[name], epoch + 1, metrics["global_step"],
+                                                  precision), epoch + 1)
+                return
         history.append(metrics)
         final = epoch + 1 == t.epochs
         live.end_epoch(epoch + 1, samples / train_time if train_time > 0 else 0.0, metrics["val_loss"])
@@ -271,6 +296,36 @@ def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], dir
             f"{redact(t.storage_path)}. Free space there, then resume the run (`flotilla train ... --resume "
             f"{config.run_name}`): {then}."
         ) from None
+
+
+def _stop(session: Session, message: str, epoch: int) -> None:
+    if session.rank == 0:
+        say(f"ERROR: {message}")
+    session.stop(message, epoch)
+
+
+def not_finite_message(config: WorkerConfig, what: str, value: float, epoch: int, step: int, precision: str) -> str:
+    """Where the loss stopped being a number, and the likely cause."""
+    t = config.spec.train
+    text = (f"run {config.run_name!r}: {what} became {value:g} at epoch {epoch}, step {step}; the run stopped there, "
+            "failed, and registered nothing.")
+    profile = config.preprocessors.get("profile")
+    if profile is not None:
+        huge = [f"{name} ({max(abs(p['min']), abs(p['max'])):.3g})" for name, p in profile.items()
+                if p["kind"] == "numeric" and p.get("min") is not None and max(abs(p["min"]), abs(p["max"])) > 1e6]
+        if huge and config.spec.data.scaling == "none":
+            text += (f" Input columns reach the model unscaled with values beyond 1e6: {', '.join(huge[:5])}; "
+                     "`--set data.scaling=standard` scales them. Otherwise")
+        else:
+            text += " Its inputs were finite (gaps filled by the imputer, infinite values refused before training):"
+    else:
+        text += " Most likely"
+    text += f" the training diverged: lower train.lr (now {t.lr:g})"
+    if not t.grad_clip:
+        text += ", or clip gradients (`--set train.grad_clip=1.0`)"
+    if precision == "fp16":
+        text += ", or train in `--set train.precision=fp32`"
+    return text + "."
 
 
 def say(line: str) -> None:

@@ -27,14 +27,14 @@ from flotilla.cluster import (
     resource_use,
     wait_for_room,
 )
-from flotilla.data import PreparedData, filesystem_for, prepare_data
-from flotilla.errors import ClusterError, FlotillaError, TrainingError, summarize
+from flotilla.data import PreparedData, describe_columns, filesystem_for, prepare_data
+from flotilla.errors import ClusterError, FlotillaError, NotFiniteError, TrainingError, summarize
 from flotilla.models import build_model
 from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.track import open_tracker
 from flotilla.train._in_trial import InProcess, train_in_trial
-from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
+from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, NOT_FINITE, train_loop_per_worker
 from flotilla.train._worker_config import WorkerConfig
 
 
@@ -109,6 +109,8 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         f"rows, fingerprint {prepared.fingerprint[:12]}",
         flush=True,
     )
+    if prepared.profile:
+        print(f"[{run_name}] columns: {describe_columns(prepared.profile)}", flush=True)
     # Build the model once here, on the meta device (no memory, no compute): a broken factory
     # fails now with its own message instead of on every worker after each restart.
     with torch.device("meta"):
@@ -204,6 +206,8 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
         datasets={"train": prepared.train, "val": prepared.val},
     )
     result = trainer.fit()
+    if NOT_FINITE in (result.metrics or {}):
+        raise NotFiniteError(result.metrics[NOT_FINITE])
     if result.checkpoint is None:
         raise TrainingError(f"run {config.run_name!r} finished without a checkpoint; nothing to bundle")
     return result.checkpoint
