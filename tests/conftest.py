@@ -195,3 +195,16 @@ def gpt_champion(digits_champion) -> TrainedModel:
     spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml",
                      [f"train.storage_path={store}", f"track.uri={store_uri(store)}", *GPT_TEST])
     return TrainedModel(spec, run_training(spec), store)
+
+
+@pytest.fixture(scope="session")
+def tables_champion(digits_champion) -> TrainedModel:
+    """A table as people have them (`tests.integration._helpers.messy_table`: a string category with
+    gaps, a boolean, numbers with gaps), trained once per session into the store of
+    `digits_champion` as model `tables` v1 (champion)."""
+    from flotilla.train import run_training
+    from tests.integration._helpers import tables_spec
+
+    store = digits_champion.store
+    spec = tables_spec(store)
+    return TrainedModel(spec, run_training(spec), store)

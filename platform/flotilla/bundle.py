@@ -134,7 +134,8 @@ class InferenceBundle:
                     f"this model needs {len(columns)} columns: {', '.join(columns[:10])}{' ...' if len(columns) > 10 else ''}"
                 )
             if self._array_transform is None:  # categorical columns: Ray's steps on the raw values
-                features = apply_all(self.feature_steps, df[columns].copy())[FEATURES]
+                # (a fresh 0..n-1 index: some of Ray's steps assign whole columns by position)
+                features = apply_all(self.feature_steps, df[columns].reset_index(drop=True))[FEATURES]
                 return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
             array = np.column_stack([as_numbers(df[c]).to_numpy() for c in columns]) if len(df) else \
                 np.empty((0, len(columns)))

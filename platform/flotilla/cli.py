@@ -4,8 +4,8 @@
     flotilla --help              # subcommands, exit codes
     flotilla train --help        # examples for one subcommand
 
-`pipelines/train.py`, `pipelines/deploy.py`, `pipelines/promote.py` and `tune/sweep.py` run the
-subcommand named like the script (for `ray job submit -- python pipelines/train.py ...`).
+`pipelines/train.py`, `pipelines/deploy.py`, `pipelines/promote.py`, `pipelines/predict.py` and
+`tune/sweep.py` run the subcommand named like the script (for `ray job submit -- python pipelines/train.py ...`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable
 
-from flotilla.errors import EXIT_CODES, FlotillaError, SpecError
+from flotilla.errors import EXIT_CODES, FlotillaError, NotFiniteError, SpecError
 from flotilla.redact import redact, redact_output
 
 EXIT_CODES_TEXT = "exit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in EXIT_CODES.items())
@@ -84,6 +84,20 @@ aliases anew: after `flotilla promote`, the same command serves the new champion
 The store is --tracking-uri, else the spec's track.uri, else $MLFLOW_TRACKING_URI, else
 sqlite:///mlflow.db in the working directory.""",
     ),
+    "predict": (
+        "Score a whole table with a registered model (or a bundle) on Ray Data; write the predictions as Parquet.",
+        """examples:
+  flotilla predict --model digits@champion --input new_rows.parquet --output scored/
+  flotilla predict --model tables/3 --input s3://bucket/rows/ --output s3://bucket/scored/ --id customer_id
+  flotilla predict --model runs/digits-20261130-101500/bundle --input rows.csv --output scored/
+  ray job submit --working-dir . -- python pipelines/predict.py --model digits@champion --input ... --output ...
+
+Writes OUTPUT/predictions/ (the id columns, `prediction`, and per class `probability_<class>`) and,
+for rows that cannot be scored (text in a numeric column, an infinite value), OUTPUT/rejected/
+with the row and the reason; the job goes on past them. A registered model's scoring is logged
+as an MLflow run in the experiment that trained it (store: --tracking-uri, else
+$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory).""",
+    ),
     "validate": (
         "Check a spec (with its overrides) and print it resolved, every default filled in.",
         """examples:
@@ -114,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except FlotillaError as e:
         print(f"error: {e}", file=sys.stderr)
-        _print_resume_hint(args, e.exit_code)
+        if not isinstance(e, NotFiniteError):  # resuming would diverge again
+            _print_resume_hint(args, e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -133,10 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
         "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
-        "promote": _promote_args, "validate": _spec_args, "config": _config_args,
+        "promote": _promote_args, "predict": _predict_args, "validate": _spec_args, "config": _config_args,
     }
     runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "deploy-apps": _deploy_apps, "promote": _promote,
-               "validate": _validate, "config": _config}
+               "predict": _predict, "validate": _validate, "config": _config}
     for name, add_args in commands.items():
         summary, examples = SUBCOMMANDS[name]
         p = sub.add_parser(name, help=summary, description=summary, epilog=examples + "\n\n" + EXIT_CODES_TEXT,
@@ -191,6 +206,20 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
     action.add_argument("--version", help="version to point the alias at")
     action.add_argument("--rollback", action="store_true", help="point champion back at the previous champion")
     p.add_argument("--alias", default="champion", help="alias to move with --version (default: %(default)s)")
+
+
+def _predict_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION|BUNDLE",
+                   help="a registered model by alias or version, or the path of a bundle (or run) directory")
+    p.add_argument("--input", required=True, metavar="PATH_OR_URI",
+                   help="Parquet/CSV file, directory or glob: a local path or a pyarrow filesystem URI")
+    p.add_argument("--output", required=True, metavar="DIR_OR_URI", help="a new directory for predictions/ and rejected/")
+    p.add_argument("--id", dest="id_columns", action="append", default=[], metavar="COLUMN",
+                   help="an input column to copy next to each prediction, e.g. a row id (repeatable)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI of the registry (for NAME@ALIAS and NAME/VERSION)")
+    p.add_argument("--actors", type=int, metavar="N", help="scoring actors, one CPU each (default: the cluster's "
+                                                           "CPUs but one)")
+    p.add_argument("--batch-size", type=int, default=4096, metavar="ROWS", help="rows per batch (default: %(default)s)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -311,6 +340,17 @@ def _promote(args) -> int:
         print(rollback_champion(client, name).describe("rolled back"))
     else:
         print(set_alias(client, name, args.alias, args.version).describe("promoted"))
+    return 0
+
+
+def _predict(args) -> int:
+    from flotilla.predict import predict_table
+
+    outcome = predict_table(args.model, args.input, args.output, id_columns=args.id_columns,
+                            tracking_uri=args.tracking_uri, actors=args.actors, batch_size=args.batch_size)
+    print(outcome.describe())
+    if outcome.mlflow_run_id:
+        print(f"MLflow run {outcome.mlflow_run_id} (batch prediction, linked to {outcome.model})")
     return 0
 
 

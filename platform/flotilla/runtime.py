@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,9 @@ def quiet_process_logs() -> None:
     progress_logger = logging.getLogger("ray.data._internal.progress")
     if not any(isinstance(f, _RayDataProgressNotice) for f in progress_logger.filters):
         progress_logger.addFilter(_RayDataProgressNotice())
+    # Ray's SimpleImputer (which fills every table's gaps) asks pandas `is_categorical_dtype`, which
+    # pandas deprecates, once per process: the imputer works, the notice says nothing to a user.
+    warnings.filterwarnings("ignore", message="is_categorical_dtype is deprecated", module=r"ray\.data\.preprocessors")
 
 
 def started_local_ray() -> bool:

@@ -85,3 +85,34 @@ def plant_code(uri: str, directory: Path, model: str = "digits", version: str = 
     client.set_terminated(run.info.run_id)
     planted = client.create_model_version(model, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
     return str(planted.version), marker
+
+
+def messy_table(n: int, seed: int):
+    """Rows as tables come: `city` strings with gaps (5 %), `member` booleans, `x1` numbers,
+    `x2` numbers with gaps (15 %); the label `answer` (yes/no) follows from city, member and x1
+    with a margin, so a model that reads them all is right on nearly every row."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    city = rng.choice(["Berlin", "Paris", "Rome", "Oslo"], n).astype(object)
+    member = rng.random(n) < 0.4
+    x1 = rng.normal(size=n)
+    x2 = rng.normal(size=n)
+    score = 1.5 * x1 + 2.0 * (city == "Paris") - 2.0 * (city == "Oslo") + 1.0 * member - 0.5 + 0.2 * x2
+    keep = np.abs(score) > 0.3  # a margin: no row sits on the boundary
+    df = pd.DataFrame({"city": city, "member": member, "x1": x1, "x2": x2,
+                       "answer": np.where(score > 0, "yes", "no")})[keep].reset_index(drop=True)
+    df.loc[rng.random(len(df)) < 0.05, "city"] = None
+    df.loc[rng.random(len(df)) < 0.15, "x2"] = np.nan
+    return df
+
+
+def tables_spec(storage: Path, source: Path | None = None, overrides: list[str] = ()) -> RunSpec:
+    """Model `tables` on the messy table (written under `storage` once), or on `source`."""
+    if source is None:
+        source = storage / "tables.csv"
+        if not source.exists():
+            messy_table(3000, seed=0).to_csv(source, index=False)
+    return digits_spec(storage, "name=tables", "track.model_name=tables", f"data.source={source}", "data.label=answer",
+                       "model.hidden=[32]", "train.epochs=6", "train.batch_size=32", "track.gate.require=[]",
+                       *overrides)

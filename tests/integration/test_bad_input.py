@@ -42,10 +42,14 @@ def test_unknown_label_column(ray_cluster, tmp_path):
     _fails_fast(spec, DataError, r"data.label='label' is not in .*columns: a, b, y")
 
 
-def test_non_numeric_feature(ray_cluster, tmp_path):
-    path = _csv(tmp_path, pd.DataFrame({"a": [1.0, 2.0], "city": ["x", "y"], "y": [0, 1]}))
+def test_infinite_values_and_a_misread_column_are_named_before_training(ray_cluster, tmp_path):
+    df = pd.DataFrame({"a": [1.0, float("inf")] * 20, "city": ["x", "y"] * 20, "y": [0, 1] * 20})
+    path = _csv(tmp_path, df)
     spec = digits_spec(tmp_path, f"data.source={path}", "data.label=y")
-    _fails_fast(spec, DataError, r"feature column 'city' is string, not numeric")
+    _fails_fast(spec, DataError, r"feature column 'a' holds \d+ infinite value\(s\) in the train split and \d+ in the "
+                r"validation split of .*data.csv'; replace them with numbers, or leave the cells empty")
+    spec = digits_spec(tmp_path, f"data.source={path}", "data.label=y", "data.columns.city.kind=numeric")
+    _fails_fast(spec, DataError, r"data.columns.city.kind=numeric, but 'city' holds strings")
 
 
 def test_empty_dataset(ray_cluster, tmp_path):

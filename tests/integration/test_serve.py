@@ -1,8 +1,8 @@
 """Serving: real HTTP requests against real Ray Serve apps, models loaded from a real MLflow registry.
 
 One module-scoped setup takes the session's digits MLP (v1 champion; v2 is registered from the
-same run as `candidate`) and its small byte-level GPT (tests/conftest.py), starts Serve on a free
-port, and deploys both. Tests then change the classifier app in place (split, shadow, replicas) in
+same run as `candidate`), its small byte-level GPT and its model of a table with categories and
+gaps (tests/conftest.py), starts Serve on a free port, and deploys all three. Tests then change the classifier app in place (split, shadow, replicas) in
 file order.
 """
 
@@ -25,7 +25,7 @@ import requests
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
 from tests.conftest import GPT_TEST
-from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, store_uri
+from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, messy_table, store_uri, tables_spec
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,7 +50,7 @@ SERVE_TEST = [
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, digits_champion, gpt_champion, tmp_path_factory):
+def served(ray_cluster, digits_champion, gpt_champion, tables_champion, tmp_path_factory):
     import mlflow
     from mlflow import MlflowClient
     from ray import serve
@@ -77,8 +77,9 @@ def served(ray_cluster, digits_champion, gpt_champion, tmp_path_factory):
         f"train.storage_path={store}", f"track.uri={store_uri(store)}", *GPT_TEST, *common])
     generator = deploy(plan_deployment(gpt))
     classifier = deploy(plan_deployment(digits))
+    tables = deploy(plan_deployment(tables_spec(store, overrides=["serve.autoscaling.max_replicas=1", *common])))
     yield {"store": store, "digits": digits, "outcome": outcome, "classifier": classifier, "generator": generator,
-           "port": port, "client": client}
+           "tables": tables, "tables_outcome": tables_champion.outcome, "port": port, "client": client}
     serve.shutdown()
 
 
@@ -196,6 +197,39 @@ def test_predictions_over_http_equal_the_bundle_predictions(served):
         np.testing.assert_allclose(body["probabilities"], expected["probabilities"], atol=1e-6)
     info = requests.get(served["classifier"].url + "/", timeout=10).json()
     assert info["traffic"] == {"1": 100.0} and info["aliases"] == {"1": ["champion"]}
+
+
+def test_raw_table_rows_with_strings_and_gaps_are_answered_and_odd_values_counted(served):
+    """A model of a table takes its rows as they come: strings for categories, null for a gap, a
+    boolean for a boolean column; a category never seen in training or a number outside the
+    training range is answered, and counted by column."""
+    url = served["tables"].url + "/predict"
+    rows = messy_table(40, seed=2).drop(columns=["answer"])
+    records = [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
+               for r in rows.to_dict("records")]
+    r = post(url, {"instances": records})
+    assert r.status_code == 200, r.text
+    bundle = load_bundle(served["tables_outcome"].bundle_path)
+    assert r.json()["predictions"] == bundle.predict(rows)["predictions"]
+    odd = {"city": "Tokyo", "member": None, "x1": 1e6, "x2": None}
+    r = post(url, {"instances": [odd, [None, True, -0.5, 0.3]]})
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 2, r.text
+    for body, field, message in [
+        ({"instances": [{"city": "Rome", "member": True, "x1": 0.1}]}, "instances[0]", "missing 1 feature(s): x2"),
+        ({"instances": [{**odd, "x1": "high"}]}, "instances[0].x1", "column 'x1' is numeric; send a number"),
+        ({"instances": [["Rome", "yes", 0.1, 0.2]]}, "instances[0][1]", "column 'member' is numeric"),
+    ]:
+        r = post(url, body)
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == field, r.text
+        assert message in r.json()["fields"][0]["message"], r.text
+
+    def counted():
+        text = metrics_text()
+        return text if metric_sum(text, "ray_flotilla_out_of_profile_values_total", model="tables") >= 2 else None
+
+    text = wait_for(counted, 60, "the out-of-profile counter in Ray's Prometheus export", interval_s=2)
+    assert metric_sum(text, "ray_flotilla_out_of_profile_values_total", column="city", reason="unseen_category") == 1
+    assert metric_sum(text, "ray_flotilla_out_of_profile_values_total", column="x1", reason="above_max") == 1
 
 
 def test_bad_input_gets_a_clear_4xx_and_never_restarts_a_replica(served):

@@ -1,0 +1,272 @@
+"""Batch scoring with Ray Data: a registered model (or a bundle) over a whole Parquet/CSV table.
+
+    outcome = predict_table("digits@champion", "s3://bucket/new-rows/", "out/", id_columns=["id"])
+    flotilla predict --model digits@champion --input new-rows.csv --output out/ --id id
+
+Ray Data reads the input and streams it through a pool of actors, each of which loads the bundle
+once and scores whole batches with the bundle's own preprocessors (`flotilla.bundle`); the
+predictions (and, for a classifier, each class's probability) are written as Parquet under
+`OUTPUT/predictions/`, next to any id columns named. A row that cannot be scored (a numeric column
+holding text, an infinite value, an answer that is not a finite number) does not stop the job: the
+actor writes it under `OUTPUT/rejected/` with the reason. The counts are printed and, for a
+registered model, logged as an MLflow run linked to the model version.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from flotilla.errors import DataError, SpecError, TrackingError
+
+PREDICTIONS, REJECTED = "predictions", "rejected"
+BUNDLE_FILES = ("model.safetensors", "model.json", "preprocessors.json", "metrics.json")
+
+
+@dataclass
+class PredictOutcome:
+    model: str  # what was asked for: NAME@ALIAS, NAME/VERSION or a bundle path
+    version: str | None  # the registered version that scored, if any
+    output: str
+    predicted: int
+    rejected: int
+    wall_time_s: float
+    mlflow_run_id: str | None = None
+
+    def describe(self) -> str:
+        rate = self.predicted / self.wall_time_s if self.wall_time_s else 0.0
+        where = f"{self.model}" + (f" (v{self.version})" if self.version and f"/{self.version}" not in self.model else "")
+        return (f"scored {self.predicted} rows with {where} in {self.wall_time_s:.1f} s ({rate:.0f} rows/s); "
+                f"{self.rejected} rejected; written to {self.output}/{PREDICTIONS}"
+                + (f" and {self.output}/{REJECTED}" if self.rejected else ""))
+
+
+# ------------------------------------------------------------------------------ the model
+def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict[str, bytes], str | None, Any]:
+    """The bundle's files for `reference` (NAME@ALIAS, NAME/VERSION, or a bundle or run directory),
+    the registered version (None for a directory), and the MLflow client (None for a directory)."""
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        bundle = path / "bundle" if (path / "bundle" / "model.json").is_file() else path
+        missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
+        if missing:
+            raise DataError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); "
+                            "give a run's bundle directory, NAME@ALIAS or NAME/VERSION")
+        return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, None, None
+    if "@" in reference:
+        name, _, alias = reference.partition("@")
+        version = None
+    elif "/" in reference and reference.rsplit("/", 1)[1].isdigit():
+        name, _, version = reference.rpartition("/")
+        alias = None
+    else:
+        raise SpecError([f"--model {reference!r}: give NAME@ALIAS (digits@champion), NAME/VERSION (digits/3) or "
+                         "the path of a bundle directory"], "flotilla predict")
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+
+    from flotilla.track import registry_client
+    from flotilla.track._registry import _bundle_dir
+
+    client = registry_client(tracking_uri)
+    try:
+        if alias is not None:
+            version = str(client.get_model_version_by_alias(name, alias).version)
+        location = client.get_model_version_download_uri(name, version)
+    except MlflowException as e:
+        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
+    with tempfile.TemporaryDirectory(prefix="flotilla-predict-") as tmp:
+        model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
+        bundle = _bundle_dir(model, f"{name} v{version}")
+        return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, version, client
+
+
+class _Scorer:
+    """One actor of the pool: loads the bundle once (from the files the driver put in the object
+    store), then scores batches; rows it cannot score go to the rejected output."""
+
+    def __init__(self, files: dict[str, bytes], columns: list[str], id_columns: list[str], output: str):
+        import tempfile
+
+        import torch
+
+        from flotilla.bundle import load_bundle
+
+        torch.set_num_threads(1)  # one actor per reserved CPU
+        self._dir = tempfile.TemporaryDirectory(prefix="flotilla-scorer-")
+        for name, data in files.items():
+            Path(self._dir.name, name).write_bytes(data)
+        self.bundle = load_bundle(self._dir.name)
+        self.columns, self.id_columns = columns, id_columns
+        self.categorical = set(self.bundle.categorical)
+        self.fs, self.root = pafs.FileSystem.from_uri(output) if "://" in output else (pafs.LocalFileSystem(),
+                                                                                        str(Path(output).resolve()))
+        self.name = uuid.uuid4().hex[:8]
+        self.parts = 0
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        reasons = pd.Series([None] * len(batch), index=batch.index, dtype=object)
+        for column in self.columns:
+            if column in self.categorical:
+                continue
+            values = batch[column]
+            numbers = pd.to_numeric(values.map(lambda v: float(v) if isinstance(v, (bool, np.bool_)) else v),
+                                    errors="coerce")
+            bad_text = values.notna() & numbers.isna()
+            infinite = np.isinf(numbers.to_numpy(dtype=np.float64, na_value=np.nan))
+            for mask, why in ((bad_text, "is not a number"), (infinite, "is infinite")):
+                mask = pd.Series(mask, index=batch.index) & reasons.isna()
+                if mask.any():
+                    reasons[mask] = [f"column {column!r}: {v!r} {why}" for v in values[mask]]
+        good = batch[reasons.isna()]
+        out = self._score(good, reasons)
+        rejected = batch[reasons.notna()]
+        if len(rejected):
+            self._write_rejected(rejected, reasons[reasons.notna()])
+        return out
+
+    def _score(self, rows: pd.DataFrame, reasons: pd.Series) -> pd.DataFrame:
+        result = rows[self.id_columns].reset_index(drop=True) if self.id_columns else pd.DataFrame(index=range(len(rows)))
+        if not len(rows):
+            result["prediction"] = pd.Series([], dtype=object)
+            return result
+        answer = self.bundle.predict(rows[self.columns])
+        predictions = answer["predictions"]
+        result["prediction"] = predictions
+        if "probabilities" in answer:
+            probabilities = np.asarray(answer["probabilities"], dtype=np.float32)
+            for i, label in enumerate(self.bundle.classes):
+                result[f"probability_{label}"] = probabilities[:, i]
+            finite = np.isfinite(probabilities).all(axis=1)
+        else:
+            finite = np.isfinite(np.asarray(predictions, dtype=np.float64))
+        if not finite.all():  # values far outside what the model saw overflow it: no answer for them
+            bad = rows.index[~finite]
+            reasons[bad] = "the model's output is not a finite number"
+            self._write_rejected(rows.loc[bad], reasons[bad])
+            result = result[finite].reset_index(drop=True)
+        return result
+
+    def _write_rejected(self, rows: pd.DataFrame, reasons: pd.Series) -> None:
+        table = pa.table({
+            **{c: rows[c].astype(str).tolist() for c in self.id_columns},
+            "row": [json.dumps(r, default=str) for r in rows[self.columns].to_dict("records")],
+            "reason": reasons.tolist(),
+        })
+        self.parts += 1
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        self.fs.create_dir(f"{self.root}/{REJECTED}", recursive=True)
+        with self.fs.open_output_stream(f"{self.root}/{REJECTED}/part-{self.name}-{self.parts:05d}.parquet") as f:
+            f.write(sink.getvalue())
+
+
+# ------------------------------------------------------------------------------ the job
+def predict_table(model: str, source: str, output: str, *, id_columns: list[str] = (), tracking_uri: str | None = None,
+                  actors: int | None = None, batch_size: int = 4096, fmt: str = "auto") -> PredictOutcome:
+    """Score every row of `source` with `model`; see the module docstring."""
+    import ray
+    import ray.data
+
+    from flotilla.bundle import load_bundle
+    from flotilla.data import filesystem_for, resolve_source
+    from flotilla.runtime import ensure_ray
+
+    started = time.monotonic()
+    files, version, client = resolve_model(model, tracking_uri)
+    with _bundle_here(files) as here:
+        bundle = load_bundle(here)
+    if bundle.task == "lm":
+        raise DataError(f"--model {model!r} is a language model; batch scoring takes tabular models")
+    columns = list(bundle.schema.feature_columns)
+    found = resolve_source(source, fmt)
+    schema = pads.dataset(found.paths, filesystem=found.filesystem, format=found.format).schema
+    missing = [c for c in [*columns, *id_columns] if c not in schema.names]
+    if missing:
+        raise DataError(f"--input {found.description!r} lacks column(s) {', '.join(missing)} that "
+                        f"{'the model needs' if set(missing) & set(columns) else '--id names'}; its columns: "
+                        f"{', '.join(schema.names)}")
+    fs, root = filesystem_for(output, "--output")
+    for part in (PREDICTIONS, REJECTED):
+        if fs.get_file_info(f"{root}/{part}").type != pafs.FileType.NotFound:
+            raise DataError(f"--output {output!r} already holds {part}/; give a new directory (nothing is overwritten)")
+    ensure_ray()
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    size = actors or max(1, cpus - 1)  # one CPU stays free for Ray Data's reads
+    reader = ray.data.read_parquet if found.format == "parquet" else ray.data.read_csv
+    ds = reader(found.paths, filesystem=found.filesystem).select_columns(list(dict.fromkeys([*id_columns, *columns])))
+    scored = ds.map_batches(
+        _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
+        fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
+                               "output": output},
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=size),
+    )
+    scored.write_parquet(f"{output.rstrip('/')}/{PREDICTIONS}" if "://" in output else f"{root}/{PREDICTIONS}",
+                         filesystem=None if "://" in output else fs)
+    outcome = PredictOutcome(model, version, output, _rows(fs, f"{root}/{PREDICTIONS}"),
+                             _rows(fs, f"{root}/{REJECTED}"), time.monotonic() - started)
+    if client is not None:
+        outcome.mlflow_run_id = _log_run(client, model, version, found.description, outcome)
+    return outcome
+
+
+def _rows(fs: pafs.FileSystem, directory: str) -> int:
+    if fs.get_file_info(directory).type == pafs.FileType.NotFound:
+        return 0
+    files = [i.path for i in fs.get_file_info(pafs.FileSelector(directory)) if i.path.endswith(".parquet")]
+    return sum(pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows for f in files)
+
+
+class _bundle_here:
+    """The bundle's files in a temporary directory, for the driver's own look at it."""
+
+    def __init__(self, files: dict[str, bytes]):
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="flotilla-predict-")
+        for name, data in files.items():
+            Path(self._tmp.name, name).write_bytes(data)
+
+    def __enter__(self) -> str:
+        return self._tmp.name
+
+    def __exit__(self, *exc) -> None:
+        self._tmp.cleanup()
+
+
+def _log_run(client, model: str, version: str, source: str, outcome: PredictOutcome) -> str:
+    """A batch-scoring run in the experiment of the run that trained the version, linked to it."""
+    from mlflow.entities import Metric, RunTag
+
+    from flotilla.redact import redact
+
+    name = model.partition("@")[0].rpartition("/")[0] or model.partition("@")[0]
+    trained = client.get_run(client.get_model_version(name, version).run_id)
+    run = client.create_run(trained.info.experiment_id, run_name=f"predict-{name}-v{version}-{time.strftime('%Y%m%d-%H%M%S')}",
+                            tags={"flotilla.kind": "batch_prediction", "flotilla.model": name,
+                                  "flotilla.model_version": version, "flotilla.model_ref": model,
+                                  "flotilla.input": redact(source)[:5000], "flotilla.output": redact(outcome.output)[:5000],
+                                  "flotilla.trained_by_run": trained.info.run_id})
+    now = int(time.time() * 1000)
+    rate = outcome.predicted / outcome.wall_time_s if outcome.wall_time_s else 0.0
+    client.log_batch(run.info.run_id, metrics=[
+        Metric("rows_predicted", outcome.predicted, now, 0), Metric("rows_rejected", outcome.rejected, now, 0),
+        Metric("wall_time_s", outcome.wall_time_s, now, 0), Metric("rows_per_s", rate if math.isfinite(rate) else 0, now, 0),
+    ], tags=[RunTag("mlflow.note.content", outcome.describe())])
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
