@@ -176,9 +176,12 @@ def _sees(markers: list[str]) -> list[bool]:
     return [os.path.exists(m) for m in markers]
 
 
-def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict]) -> dict[str, list[str]]:
+def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict], timeout_s: float = 120.0) -> dict[str, list[str]]:
     """{field: addresses of the nodes on which a marker file written here into its directory is
-    absent}, for the fields some node cannot see. One zero-CPU probe per node checks every marker."""
+    absent}, for the fields some node cannot see. One zero-CPU probe per node checks every marker;
+    a probe that fails (a node that joined a moment ago may not start a worker yet) is tried again
+    every 2 s, and a node that has not answered within `timeout_s` counts as not seeing."""
+    import time
     import uuid
     from pathlib import Path
 
@@ -190,20 +193,31 @@ def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict]) -> dict[str, lis
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text("")
         probe = ray.remote(num_cpus=0, max_retries=0)(_sees)
-        refs = {n["NodeManagerAddress"]: probe.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-                [str(m) for m in markers.values()])
-            for n in nodes}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=120)
+        names = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+        if len(set(names.values())) < len(names):  # several nodes on one address (one machine): say which
+            names = {node: f"{address} ({node[:8]})" for node, address in names.items()}
+        seen: dict[str, list[bool]] = {}
+        deadline = time.monotonic() + timeout_s
+        pending = set(names)
+        while pending and time.monotonic() < deadline:
+            refs = {node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                [str(m) for m in markers.values()]) for node in pending}
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(1.0, deadline - time.monotonic()))
+            for node, ref in refs.items():
+                try:
+                    seen[node] = ray.get(ref, timeout=0)
+                    pending.discard(node)
+                except ray.exceptions.GetTimeoutError:  # still not run when the time was up
+                    pending.discard(node)
+                except Exception:  # tried again below, while there is time
+                    pass
+            if pending:
+                time.sleep(2.0)
         blind: dict[str, list[str]] = {}
-        for address, ref in sorted(refs.items()):
-            try:
-                seen = ray.get(ref, timeout=0)
-            except Exception:  # a node that could not run the probe in time cannot be relied on either
-                seen = [False] * len(markers)
-            for field, ok in zip(markers, seen):
+        for node in sorted(names, key=names.get):
+            for field, ok in zip(markers, seen.get(node, [False] * len(markers))):
                 if not ok:
-                    blind.setdefault(field, []).append(address)
+                    blind.setdefault(field, []).append(names[node])
         return blind
     finally:
         for marker in markers.values():

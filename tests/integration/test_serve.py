@@ -270,7 +270,7 @@ def test_bad_input_gets_a_clear_4xx_and_never_restarts_a_replica(served):
 def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
     url = served["classifier"].url + "/predict"
     gen = served["generator"].url + "/generate"
-    before = replica_actors("digits") + replica_actors("pycode-gpt")
+    before = replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables")
     json_type = {"content-type": "application/json"}
 
     def chunked(total: int, piece: int = 8192):  # no Content-Length: the size is known only as it arrives
@@ -312,9 +312,9 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
     from hypothesis import strategies as st
 
     url, gen = served["classifier"].url + "/predict", served["generator"].url + "/generate"
-    before = replica_actors("digits") + replica_actors("pycode-gpt")
+    before = replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables")
     session = requests.Session()
-    statuses: dict[str, Counter] = {"predict": Counter(), "generate": Counter()}
+    statuses: dict[str, Counter] = {"predict": Counter(), "generate": Counter(), "tables": Counter()}
     server_errors: list[tuple] = []
 
     big = st.integers(min_value=-(2**70), max_value=2**70)
@@ -336,10 +336,10 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
         ["application/json; charset=utf-8", "application/problem+json", "text/plain", "application/x-www-form-urlencoded",
          "multipart/form-data", ""])
 
-    def fuzz(endpoint: str, target: str, bodies):
+    def fuzz(endpoint: str, target: str, bodies, examples: int = FUZZ_CASES):
         cases: list[tuple[bytes, str]] = []
 
-        @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(body=bodies.map(lambda b: json.dumps(b).encode()) | st.binary(max_size=200), kind=content_type)
         def draw(body: bytes, kind: str):
@@ -358,14 +358,21 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
                 if status >= 500:
                     server_errors.append((endpoint, kind, body[:200], status, text))
 
+    # A model of a table: the same shapes with what its columns take (strings, booleans, nulls) and what they do not.
+    value = scalars | number
+    table_instance = (st.fixed_dictionaries({"city": value, "member": value, "x1": value, "x2": value})
+                      | st.lists(value, min_size=4, max_size=4) | instance)
+    tables = st.fixed_dictionaries({"instances": st.lists(table_instance, min_size=1, max_size=3)}) | predict
+
     fuzz("predict", url, predict)
     fuzz("generate", gen, generate)
+    fuzz("tables", served["tables"].url + "/predict", tables, examples=FUZZ_CASES // 2)
     print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
     assert not server_errors, server_errors[:5]
-    assert all(sum(c.values()) >= FUZZ_CASES for c in statuses.values()), statuses
-    assert statuses["predict"][200] > 0 and statuses["generate"][200] > 0  # valid bodies were drawn too
+    assert all(sum(c.values()) >= FUZZ_CASES // (2 if k == "tables" else 1) for k, c in statuses.items()), statuses
+    assert all(statuses[k][200] > 0 for k in statuses), statuses  # valid bodies were drawn too
     # No replica died (8 clients may make the autoscaler add one; every replica of before still runs).
-    assert set(before) <= set(replica_actors("digits") + replica_actors("pycode-gpt"))
+    assert set(before) <= set(replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables"))
     assert post(url, {"instances": val_rows(served, 1).to_numpy().tolist()}).status_code == 200
     assert post(gen, {"prompt": "def ", "max_tokens": 3}).status_code == 200
 

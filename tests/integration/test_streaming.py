@@ -1,5 +1,6 @@
-"""Batches stream into the workers: a dataset several times the object store still trains (under ZeRO-1,
-whose consolidated weights the bundle check compares with the engine)."""
+"""Batches stream: a dataset several times the object store still trains (under ZeRO-1, whose
+consolidated weights the bundle check compares with the engine), and `flotilla predict` scores all
+of it with the model it trained."""
 
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
         outcome = run_training(spec)
         check = load_bundle(outcome.bundle_path).metrics["bundle_check_max_abs_diff"]
         print("RESULT", json.dumps({{**outcome.metrics, "bundle_check_max_abs_diff": check}}))
+        from flotilla.predict import predict_table
+        scored = predict_table(outcome.bundle_path, {str(data)!r}, {str(tmp_path / 'scored')!r})
+        print("SCORED", json.dumps({{"predicted": scored.predicted, "rejected": scored.rejected}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,3 +69,9 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
     assert metrics["zero_stage"] == 1 and metrics["precision"] == "fp32"
     assert metrics["bundle_check_max_abs_diff"] < 1e-5
     assert "OutOfMemory" not in proc.stderr and "ObjectStoreFull" not in proc.stderr
+    scored = json.loads(proc.stdout.split("SCORED ", 1)[1].splitlines()[0])
+    assert scored == {"predicted": ROWS, "rejected": 0}
+    predictions = pq.read_table(tmp_path / "scored" / "predictions", columns=["prediction"]).column(0).to_numpy()
+    labels = np.concatenate([pq.read_table(f, columns=["y"]).column(0).to_numpy() for f in sorted(data.glob("*.parquet"))])
+    assert len(predictions) == ROWS and set(np.unique(predictions)) <= {0, 1}
+    assert abs(predictions.mean() - labels.mean()) < 0.1  # the classes in about the data's proportions

@@ -68,12 +68,13 @@ def test_unseen_values_and_gaps_at_inference_have_a_defined_encoding():
     df = _table()
     data = DataSpec(source="table.csv", onehot_max=4, columns={"street": {"encode": "ordinal"}})
     _, fitted = _fit(df, data)
-    rows = pd.DataFrame({"age": [None, 30.0], "income": [50, None], "member": [None, True],
-                         "city": ["Tokyo", None], "street": ["nowhere", "street 7"]})
+    rows = pd.DataFrame({"age": [None, 30.0, 1.0], "income": [50, None, 1], "member": [None, True, False],
+                         "city": ["Tokyo", None, ""], "street": ["nowhere", "street 7", "street 7"]})
     features = np.stack(apply_all(fitted.steps, rows)[FEATURES].to_numpy())
     assert np.isfinite(features).all()
     assert features[0, 3:7].tolist() == [0, 0, 0, 0]  # a city never seen: all zeros
     assert features[1, 3:7].tolist() == [0, 0, 0, 1]  # no city: the `missing` category
+    assert features[2, 3:7].tolist() == [0, 0, 0, 1]  # an empty string (an empty CSV cell) is missing too
     assert features[0, 7] == -1  # a street never seen: ordinal -1
     assert features[1, 7] == fitted.profile["street"]["values"].index("street 7")
 
@@ -133,3 +134,15 @@ def test_infinite_values_and_empty_columns_are_refused_before_training():
         _fit(df, DataSpec(source="table.csv"))
     assert "feature column 'income' holds 1 infinite value(s) in the train split" in str(e.value)
     assert "feature column 'age' has no values in the train split" in str(e.value)
+
+
+def test_cast_columns_hands_arrow_a_string_column_with_nulls_for_the_gaps():
+    """Ray Data converts each batch to Arrow between steps: a NaN among the strings would make it
+    fall back to pickled objects, which the one-hot encoder cannot read."""
+    from flotilla.data import CastColumns
+
+    out = CastColumns(["x"], ["city"])._transform_pandas(pd.DataFrame({"x": [1, None, True, "2"],
+                                                                       "city": ["a", "", None, 3.0]}))
+    assert out["city"].tolist() == ["a", None, None, "3"]
+    assert pa.Table.from_pandas(out).schema.field("city").type == pa.string()
+    np.testing.assert_array_equal(out["x"].to_numpy(), [1.0, np.nan, 1.0, 2.0])

@@ -122,8 +122,9 @@ def plan_columns(data, features: list[str], types: dict[str, pa.DataType], descr
 # --------------------------------------------------------------------------- raw values
 def as_category(value: Any) -> str | None:
     """A categorical value as the string it is encoded by: integral floats lose their `.0` (an
-    integer column with gaps is read as floats), booleans are `true`/`false`; a gap is None."""
-    if value is None or value is pd.NA or value is pd.NaT:
+    integer column with gaps is read as floats), booleans are `true`/`false`; a gap is None, and so
+    is the empty string (what an empty CSV cell in a text column is read as)."""
+    if value is None or value is pd.NA or value is pd.NaT or (isinstance(value, str) and value == ""):
         return None
     if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
@@ -159,7 +160,9 @@ class CastColumns(Preprocessor):
         for name in self.numeric:
             df[name] = as_numbers(df[name])
         for name in self.categorical:
-            df[name] = df[name].map(as_category, na_action=None).astype(object)
+            # (built as a list: `Series.map` would turn each None into NaN, a float among strings,
+            # which Arrow cannot hold in a string column)
+            df[name] = pd.Series([as_category(v) for v in df[name]], index=df.index, dtype=object)
         return df
 
 

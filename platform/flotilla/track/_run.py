@@ -95,7 +95,7 @@ class EpochMetricsLogger(ray.train.UserCallback):
         self.__init__(state["uri"], state["run_id"], state["logged_steps"])
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics or "not_finite" in metrics[0]:  # the run stopped on a NaN loss: no epoch to log
+        if not metrics:
             return
         step = int(metrics[0].get("epoch", 0))
         if step in self.logged_steps:

@@ -38,7 +38,6 @@ class InProcess:
         # Tune hands a trial with a GPU exactly that GPU (CUDA_VISIBLE_DEVICES).
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.last: ray.train.Checkpoint | None = None
-        self.stopped: str | None = None  # why the loop stopped early (a loss that is not a number)
 
     def latest_checkpoint(self) -> ray.train.Checkpoint | None:
         """The run's newest checkpoint by name (the loop verifies it and falls back to older ones)."""
@@ -58,16 +57,12 @@ class InProcess:
         self.on_report(metrics)
 
 
-    def stop(self, message: str, epoch: int) -> None:
-        self.stopped = message
-
-
 def train_in_trial(config: WorkerConfig, session: InProcess) -> ray.train.Checkpoint:
     """Run the loop here; the final checkpoint (with the bundle in it)."""
     _process_group(session.device)
-    train(config, session)
-    if session.stopped is not None:
-        raise NotFiniteError(session.stopped)
+    stopped = train(config, session)
+    if stopped is not None:
+        raise NotFiniteError(stopped)
     if session.last is None:
         raise RuntimeError("the training loop reported no checkpoint")
     return session.last

@@ -48,7 +48,6 @@ from flotilla.train._precision import measured_peak_flops, resolve_precision, to
 from flotilla.train._worker_config import WorkerConfig
 
 BUNDLE_DIR = "bundle"
-NOT_FINITE = "not_finite"  # the key of the last report of a run stopped by a NaN or infinite loss
 CHECKPOINT_PREFIX = "checkpoint_epoch"  # + the epoch (4 digits) + "_" + the attempt
 
 
@@ -84,9 +83,6 @@ class Session(Protocol):
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`."""
 
-    def stop(self, message: str, epoch: int) -> None:
-        """The run cannot go on (every rank calls it, with the same message): end it without a checkpoint."""
-
 
 class _TrainWorker:
     """A Ray Train worker: Ray Train's context, dataset shards and checkpoint storage."""
@@ -105,18 +101,16 @@ class _TrainWorker:
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
 
-    def stop(self, message: str, epoch: int) -> None:
-        # The driver reads it from the run's last result; a raise here would be retried by Ray
-        # Train (`max_failures`) from the last checkpoint, to diverge the same way again.
-        ray.train.report({"epoch": epoch, NOT_FINITE: message})
+
+def train_loop_per_worker(raw_config: dict[str, Any]) -> str | None:
+    """`TorchTrainer`'s entry on every worker; Ray Train hands rank 0's return to the driver."""
+    return train(WorkerConfig.model_validate(raw_config), _TrainWorker())
 
 
-def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
-    """`TorchTrainer`'s entry on every worker."""
-    train(WorkerConfig.model_validate(raw_config), _TrainWorker())
-
-
-def train(config: WorkerConfig, session: Session) -> None:
+def train(config: WorkerConfig, session: Session) -> str | None:
+    """Train the run to its last epoch (None), or stop early and return why: a loss that is not a
+    number (every rank returns the same message at the same step). A raise would be retried by Ray
+    Train (`train.max_failures`) from the last checkpoint, only to diverge the same way again."""
     # DeepSpeed calls torch.distributed's older collective names once per step; the
     # deprecation notice would fill the log.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
@@ -215,8 +209,7 @@ def train(config: WorkerConfig, session: Session) -> None:
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
         train_time = time.perf_counter() - started
         if stopped is not None:
-            _stop(session, stopped, epoch + 1)
-            return
+            return _stop(session, stopped)
 
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
         totals = _all_reduce(
@@ -254,9 +247,8 @@ def train(config: WorkerConfig, session: Session) -> None:
             metrics["resumed_from_step"] = resumed_from
         for name in ("train_loss", "val_loss"):  # reduced over ranks: every rank sees the same
             if not math.isfinite(metrics[name]):
-                _stop(session, not_finite_message(config, name, metrics[name], epoch + 1, metrics["global_step"],
-                                                  precision), epoch + 1)
-                return
+                return _stop(session, not_finite_message(config, name, metrics[name], epoch + 1,
+                                                         metrics["global_step"], precision))
         history.append(metrics)
         final = epoch + 1 == t.epochs
         live.end_epoch(epoch + 1, samples / train_time if train_time > 0 else 0.0, metrics["val_loss"])
@@ -298,10 +290,10 @@ def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], dir
         ) from None
 
 
-def _stop(session: Session, message: str, epoch: int) -> None:
+def _stop(session: Session, message: str) -> str:
     if session.rank == 0:
         say(f"ERROR: {message}")
-    session.stop(message, epoch)
+    return message
 
 
 def not_finite_message(config: WorkerConfig, what: str, value: float, epoch: int, step: int, precision: str) -> str:

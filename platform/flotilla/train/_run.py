@@ -34,7 +34,7 @@ from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.track import open_tracker
 from flotilla.train._in_trial import InProcess, train_in_trial
-from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, NOT_FINITE, train_loop_per_worker
+from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
 from flotilla.train._worker_config import WorkerConfig
 
 
@@ -206,8 +206,8 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
         datasets={"train": prepared.train, "val": prepared.val},
     )
     result = trainer.fit()
-    if NOT_FINITE in (result.metrics or {}):
-        raise NotFiniteError(result.metrics[NOT_FINITE])
+    if result.return_value is not None:  # the loop stopped early and says why (a loss that is not a number)
+        raise NotFiniteError(result.return_value)
     if result.checkpoint is None:
         raise TrainingError(f"run {config.run_name!r} finished without a checkpoint; nothing to bundle")
     return result.checkpoint
