@@ -97,8 +97,9 @@ def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict
 
 
 class _Scorer:
-    """One actor of the pool: loads the bundle once (from the files the driver put in the object
-    store), then scores batches; rows it cannot score go to the rejected output."""
+    """One actor of the pool: loads the bundle once (from its files, which travel with the actor's
+    constructor: a tabular bundle is kilobytes), then scores batches; rows it cannot score go to
+    the rejected output."""
 
     def __init__(self, files: dict[str, bytes], columns: list[str], id_columns: list[str], output: str):
         import tempfile
@@ -212,7 +213,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     ds = reader(found.paths, filesystem=found.filesystem).select_columns(list(dict.fromkeys([*id_columns, *columns])))
     scored = ds.map_batches(
         _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
-        fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
+        fn_constructor_kwargs={"files": files, "columns": columns, "id_columns": list(id_columns),
                                "output": output},
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=size),
     )

@@ -76,3 +76,41 @@ def test_a_diverging_run_stops_at_the_first_loss_that_is_not_a_number_and_regist
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "became" in runs[0].data.tags["flotilla.error"]
     assert client.search_model_versions("name = 'tables'") == []
+
+
+def test_flotilla_predict_scores_a_file_and_sets_aside_the_rows_it_cannot(tables_champion, tmp_path, capsys):
+    """`flotilla predict` on a CSV of new rows, two of them unscorable: the rest are predicted as
+    the bundle predicts them, the two are written aside with the reason, and the job is an MLflow
+    run linked to the model version."""
+    import pyarrow.parquet as pq
+
+    from flotilla.cli import main
+
+    rows = messy_table(300, seed=3).drop(columns=["answer"])
+    rows.insert(0, "id", range(len(rows)))
+    rows["x1"] = rows["x1"].astype(object)
+    rows.loc[10, "x1"] = "n/a"  # the column is then read as text; its numbers still score
+    rows.loc[20, "x1"] = "inf"
+    rows.to_csv(tmp_path / "new.csv", index=False)
+    uri = store_uri(tables_champion.store)
+    code = main(["predict", "--model", "tables@champion", "--tracking-uri", uri, "--input", str(tmp_path / "new.csv"),
+                 "--output", str(tmp_path / "scored"), "--id", "id"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert f"scored {len(rows) - 2} rows with tables@champion (v1)" in printed and "2 rejected" in printed
+
+    scored = pq.read_table(tmp_path / "scored" / "predictions").to_pandas().sort_values("id")
+    good = rows.drop(index=[10, 20])
+    assert scored["id"].tolist() == good["id"].tolist()
+    expected = load_bundle(tables_champion.outcome.bundle_path).predict(good.drop(columns=["id"]))
+    assert scored["prediction"].tolist() == expected["predictions"]
+    np.testing.assert_allclose(scored[["probability_no", "probability_yes"]].to_numpy(),
+                               expected["probabilities"], rtol=1e-5)
+    rejected = pq.read_table(tmp_path / "scored" / "rejected").to_pandas().sort_values("id")
+    assert rejected["id"].tolist() == ["10", "20"]
+    assert rejected["reason"].tolist() == ["column 'x1': 'n/a' is not a number", "column 'x1': 'inf' is infinite"]
+
+    client, runs = mlflow_runs(uri, "tables")
+    batch = [r for r in runs if r.data.tags.get("flotilla.kind") == "batch_prediction"]
+    assert len(batch) == 1 and batch[0].data.tags["flotilla.model_version"] == "1"
+    assert batch[0].data.metrics["rows_predicted"] == len(rows) - 2 and batch[0].data.metrics["rows_rejected"] == 2

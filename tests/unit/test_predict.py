@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from ray.data.preprocessors import LabelEncoder

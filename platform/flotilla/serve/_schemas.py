@@ -24,7 +24,7 @@ def _feature_value(value: Any) -> Any:
         return value
     if isinstance(value, (int, float)):
         if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError("a number must be finite (no NaN or Infinity)")
+            raise ValueError("NaN and Infinity are not allowed: a feature value is a finite number, or null when missing")
         return value
     if isinstance(value, str):
         if len(value) > MAX_CATEGORY_CHARS:
