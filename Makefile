@@ -10,7 +10,7 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve cluster-local clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict cluster-local clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ benchmark-tune: $(VENV)/.installed ## sweep overhead: trial start-up and the sha
 
 benchmark-serve: $(VENV)/.installed ## serving requests/s and latency against plain FastAPI
 	$(PY) benchmarks/serve_throughput.py
+
+benchmark-predict: $(VENV)/.installed ## batch scoring rows/s and memory against one pandas process
+	$(PY) benchmarks/batch_predict.py
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py

@@ -97,14 +97,19 @@ def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict
 
 
 class _Scorer:
-    """One actor of the pool: loads the bundle once (from its files, which travel with the actor's
-    constructor: a tabular bundle is kilobytes), then scores batches; rows it cannot score go to
-    the rejected output."""
+    """One actor of the pool: loads the bundle once (its files, put in the object store by the
+    driver: Ray Data hands the reference over as is, and constructor arguments of their own size
+    would make Ray warn that a restarted actor may not find them), then scores batches; rows it
+    cannot score go to the rejected output."""
 
-    def __init__(self, files: dict[str, bytes], columns: list[str], id_columns: list[str], output: str):
+    def __init__(self, files, columns: list[str], id_columns: list[str], output: str):
         import tempfile
 
+        import ray
         import torch
+
+        if isinstance(files, ray.ObjectRef):
+            files = ray.get(files)
 
         from flotilla.bundle import load_bundle
 
@@ -126,10 +131,13 @@ class _Scorer:
             if column in self.categorical:
                 continue
             values = batch[column]
+            # As plain float64 (NaN for text that is no number): Ray hands Arrow-backed columns, whose
+            # NaN is not "missing" to pandas.
             numbers = pd.to_numeric(values.map(lambda v: float(v) if isinstance(v, (bool, np.bool_)) else v),
-                                    errors="coerce")
-            bad_text = values.notna() & numbers.isna()
-            infinite = np.isinf(numbers.to_numpy(dtype=np.float64, na_value=np.nan))
+                                    errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+            present = values.notna().to_numpy(dtype=bool, na_value=False)
+            bad_text = present & np.isnan(numbers) & ~_says_nan(values)
+            infinite = np.isinf(numbers)
             for mask, why in ((bad_text, "is not a number"), (infinite, "is infinite")):
                 mask = pd.Series(mask, index=batch.index) & reasons.isna()
                 if mask.any():
@@ -177,6 +185,12 @@ class _Scorer:
             f.write(sink.getvalue())
 
 
+def _says_nan(values: pd.Series) -> np.ndarray:
+    """Which values are NaN themselves (a float NaN, or the text `nan`): a gap, not bad text."""
+    return values.map(lambda v: (isinstance(v, float) and v != v) or (isinstance(v, str) and v.strip().lower() == "nan"),
+                      na_action="ignore").to_numpy(dtype=bool, na_value=False)
+
+
 # ------------------------------------------------------------------------------ the job
 def predict_table(model: str, source: str, output: str, *, id_columns: list[str] = (), tracking_uri: str | None = None,
                   actors: int | None = None, batch_size: int = 4096, fmt: str = "auto") -> PredictOutcome:
@@ -213,7 +227,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     ds = reader(found.paths, filesystem=found.filesystem).select_columns(list(dict.fromkeys([*id_columns, *columns])))
     scored = ds.map_batches(
         _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
-        fn_constructor_kwargs={"files": files, "columns": columns, "id_columns": list(id_columns),
+        fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
                                "output": output},
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=size),
     )

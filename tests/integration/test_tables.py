@@ -79,7 +79,8 @@ def test_a_diverging_run_stops_at_the_first_loss_that_is_not_a_number_and_regist
 
 
 def test_flotilla_predict_scores_a_file_and_sets_aside_the_rows_it_cannot(tables_champion, tmp_path, capsys):
-    """`flotilla predict` on a CSV of new rows, two of them unscorable: the rest are predicted as
+    """`flotilla predict` on a CSV of new rows, two of them unscorable (an empty cell or `n/a` would
+    be a gap, which the imputer fills): the rest are predicted as
     the bundle predicts them, the two are written aside with the reason, and the job is an MLflow
     run linked to the model version."""
     import pyarrow.parquet as pq
@@ -89,7 +90,7 @@ def test_flotilla_predict_scores_a_file_and_sets_aside_the_rows_it_cannot(tables
     rows = messy_table(300, seed=3).drop(columns=["answer"])
     rows.insert(0, "id", range(len(rows)))
     rows["x1"] = rows["x1"].astype(object)
-    rows.loc[10, "x1"] = "n/a"  # the column is then read as text; its numbers still score
+    rows.loc[10, "x1"] = "twelve"  # the column is then read as text; its numbers still score
     rows.loc[20, "x1"] = "inf"
     rows.to_csv(tmp_path / "new.csv", index=False)
     uri = store_uri(tables_champion.store)
@@ -108,7 +109,7 @@ def test_flotilla_predict_scores_a_file_and_sets_aside_the_rows_it_cannot(tables
                                expected["probabilities"], rtol=1e-5)
     rejected = pq.read_table(tmp_path / "scored" / "rejected").to_pandas().sort_values("id")
     assert rejected["id"].tolist() == ["10", "20"]
-    assert rejected["reason"].tolist() == ["column 'x1': 'n/a' is not a number", "column 'x1': 'inf' is infinite"]
+    assert rejected["reason"].tolist() == ["column 'x1': 'twelve' is not a number", "column 'x1': 'inf' is infinite"]
 
     client, runs = mlflow_runs(uri, "tables")
     batch = [r for r in runs if r.data.tags.get("flotilla.kind") == "batch_prediction"]

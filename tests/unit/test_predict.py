@@ -39,13 +39,17 @@ def _bundle_files(tmp_path) -> dict[str, bytes]:
     return {name: (directory / name).read_bytes() for name in BUNDLE_FILES}
 
 
-def test_the_scorer_predicts_what_it_can_and_writes_the_rest_aside_with_the_reason(tmp_path):
+@pytest.mark.parametrize("backend", ["numpy", "pyarrow"])  # Ray Data hands Arrow-backed columns
+def test_the_scorer_predicts_what_it_can_and_writes_the_rest_aside_with_the_reason(tmp_path, backend):
     scorer = _Scorer(_bundle_files(tmp_path), COLUMNS, ["id"], str(tmp_path / "out"))
     batch = _table(20, seed=3)
     batch.insert(0, "id", range(20))
-    batch["income"] = batch["income"].astype(object)
-    batch.loc[4, "income"] = "n/a"  # text in a numeric column (a CSV column with one bad cell is read as text)
+    batch["income"] = batch["income"].astype(str)  # a CSV column with one bad cell is read as text
+    batch.loc[4, "income"] = "n/a"
+    batch.loc[9, "income"] = "nan"  # a gap, not bad text
     batch.loc[7, "age"] = np.inf
+    if backend == "pyarrow":
+        batch = batch.convert_dtypes(dtype_backend="pyarrow")
     out = scorer(batch.copy())
     assert out["id"].tolist() == [i for i in range(20) if i not in (4, 7)]
     assert set(out["prediction"]) <= {"no", "yes"}
