@@ -103,7 +103,7 @@ def main() -> None:
         data.mkdir()
         per_file = args.rows // args.files
         for i in range(args.files):
-            df = messy_table(int(per_file * 1.1), seed=100 + i).head(per_file).drop(columns=["answer"])
+            df = messy_table(int(per_file * 1.5), seed=100 + i).head(per_file).drop(columns=["answer"])
             df.insert(0, "id", range(i * per_file, (i + 1) * per_file))
             df.to_parquet(data / f"part-{i:02d}.parquet")
         files = sorted(str(f) for f in data.glob("*.parquet"))

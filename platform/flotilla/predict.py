@@ -131,12 +131,16 @@ class _Scorer:
             if column in self.categorical:
                 continue
             values = batch[column]
-            # As plain float64 (NaN for text that is no number): Ray hands Arrow-backed columns, whose
-            # NaN is not "missing" to pandas.
-            numbers = pd.to_numeric(values.map(lambda v: float(v) if isinstance(v, (bool, np.bool_)) else v),
-                                    errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-            present = values.notna().to_numpy(dtype=bool, na_value=False)
-            bad_text = present & np.isnan(numbers) & ~_says_nan(values)
+            if pd.api.types.is_numeric_dtype(values.dtype) or pd.api.types.is_bool_dtype(values.dtype):
+                # Numbers already (the usual case): only infinities to find. As plain float64: Ray
+                # hands Arrow-backed columns, whose NaN is not "missing" to pandas.
+                numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
+                bad_text = np.zeros(len(values), dtype=bool)
+            else:  # text: each value must read as a number (or be a gap)
+                numbers = pd.to_numeric(values.map(lambda v: float(v) if isinstance(v, (bool, np.bool_)) else v),
+                                        errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+                present = values.notna().to_numpy(dtype=bool, na_value=False)
+                bad_text = present & np.isnan(numbers) & ~_says_nan(values)
             infinite = np.isinf(numbers)
             for mask, why in ((bad_text, "is not a number"), (infinite, "is infinite")):
                 mask = pd.Series(mask, index=batch.index) & reasons.isna()
@@ -229,7 +233,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
         _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
         fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
                                "output": output},
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=size),
+        compute=ray.data.ActorPoolStrategy(size=size),  # all at once: each takes seconds to load torch
     )
     scored.write_parquet(f"{output.rstrip('/')}/{PREDICTIONS}" if "://" in output else f"{root}/{PREDICTIONS}",
                          filesystem=None if "://" in output else fs)
