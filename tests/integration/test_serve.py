@@ -366,10 +366,10 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
 
     fuzz("predict", url, predict)
     fuzz("generate", gen, generate)
-    fuzz("tables", served["tables"].url + "/predict", tables, examples=FUZZ_CASES // 2)
+    fuzz("tables", served["tables"].url + "/predict", tables, examples=FUZZ_CASES // 5)
     print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
     assert not server_errors, server_errors[:5]
-    assert all(sum(c.values()) >= FUZZ_CASES // (2 if k == "tables" else 1) for k, c in statuses.items()), statuses
+    assert all(sum(c.values()) >= FUZZ_CASES // (5 if k == "tables" else 1) for k, c in statuses.items()), statuses
     assert all(statuses[k][200] > 0 for k in statuses), statuses  # valid bodies were drawn too
     # No replica died (8 clients may make the autoscaler add one; every replica of before still runs).
     assert set(before) <= set(replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables"))

@@ -41,8 +41,11 @@ def test_default_config_reaches_95_percent_and_bundle_predicts_like_the_model(ch
     assert len(outcome.history) == spec.train.epochs
     assert all("resumed_from_step" not in m for m in outcome.history)  # a new name starts fresh
     bundle = load_bundle(outcome.bundle_path)
-    # ZeRO-2's consolidated weights reproduce the engine's outputs (test_train checks 0, 1 and 3).
-    assert outcome.metrics["zero_stage"] == 2 and bundle.metrics["bundle_check_max_abs_diff"] < 1e-5
+    # ZeRO-2's consolidated weights reproduce the engine's outputs (test_train checks 0, 1 and 3): to
+    # float precision in fp32; where `auto` picked bf16 (CPUs with bf16 units), the engine's bf16
+    # forward differs from the fp32 weights' by bf16's rounding (0.05 seen), a wrong gather by far more.
+    tolerance = 1e-5 if outcome.metrics["precision"] == "fp32" else 0.1
+    assert outcome.metrics["zero_stage"] == 2 and bundle.metrics["bundle_check_max_abs_diff"] < tolerance
     for name in ("model.safetensors", "model.json", "preprocessors.json", "metrics.json"):
         assert (store / outcome.run_name / "bundle" / name).is_file()
     rows, labels = digits_val_rows(spec)

@@ -290,7 +290,8 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
             problems.append(f"feature column {c.name!r} has no values in the train split of {description!r}; "
                             f"set `--set data.columns.{c.name}.impute=category`")
             continue
-        distinct = len(counts) + (1 if s["missing"] and c.fill_value not in counts else 0)
+        gap_is_new = s["missing"] and c.impute != "most_frequent" and c.fill_value not in counts
+        distinct = len(counts) + (1 if gap_is_new else 0)
         encode = c.encode or ("onehot" if distinct <= data.onehot_max and not s["truncated"] else data.high_cardinality)
         if encode in ("onehot", "ordinal") and s["truncated"]:
             problems.append(f"feature column {c.name!r} has more than {MAX_DISTINCT} distinct values; {encode} needs "

@@ -26,6 +26,7 @@ import warnings
 from typing import Any, Protocol
 
 import deepspeed
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
@@ -269,18 +270,25 @@ def train(config: WorkerConfig, session: Session) -> str | None:
 def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], directory: str, name: str,
             epochs_before: int) -> None:
     """`session.report`, with a full storage said as such: which checkpoint, where, what to do. The
-    half-written checkpoint is removed (it could never load, and it holds space); the one before
-    stays as it was."""
+    half-written checkpoint is removed (it could never load, and it holds space) by every rank that
+    failed to write it; the one before stays as it was."""
     try:
         session.report(metrics, directory, name)
     except OSError as e:
         if e.errno != errno.ENOSPC and "No space left on device" not in str(e):
             raise
         t = config.spec.train
-        if session.rank == 0:
-            with contextlib.suppress(Exception):
-                fs, root = filesystem_for(t.storage_path, "train.storage_path")
-                fs.delete_dir(f"{root}/{config.run_name}/{name}")
+        # Every rank that failed removes it, again while another rank's copy may still be landing
+        # files in it: the last one out leaves no half-written checkpoint behind.
+        with contextlib.suppress(Exception):
+            fs, root = filesystem_for(t.storage_path, "train.storage_path")
+            torn = f"{root}/{config.run_name}/{name}"
+            for _ in range(5):
+                with contextlib.suppress(Exception):
+                    fs.delete_dir(torn)
+                time.sleep(0.5)
+                if fs.get_file_info(torn).type == pafs.FileType.NotFound:
+                    break
         then = (f"it continues from epoch {epochs_before}, whose checkpoint is intact" if epochs_before
                 else "it starts over (no epoch had finished)")
         raise CheckpointError(
