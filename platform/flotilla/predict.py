@@ -97,14 +97,11 @@ def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict
 
 
 class _Scorer:
-    """One actor of the pool: loads the bundle once (its files, put in the object store by the
-    driver: Ray Data hands the reference over as is, and constructor arguments of their own size
-    would make Ray warn that a restarted actor may not find them), then scores batches; rows it
-    cannot score go to the rejected output."""
+    """One actor of the pool: loads the bundle once (its files, put in the object store once by the
+    driver; Ray Data hands the reference over as is), then scores batches; rows it cannot score go
+    to the rejected output."""
 
     def __init__(self, files, columns: list[str], id_columns: list[str], output: str):
-        import tempfile
-
         import ray
         import torch
 
@@ -114,9 +111,7 @@ class _Scorer:
         from flotilla.bundle import load_bundle
 
         torch.set_num_threads(1)  # one actor per reserved CPU
-        self._dir = tempfile.TemporaryDirectory(prefix="flotilla-scorer-")
-        for name, data in files.items():
-            Path(self._dir.name, name).write_bytes(data)
+        self._dir = _bundle_dir(files, "flotilla-scorer-")
         self.bundle = load_bundle(self._dir.name)
         self.columns, self.id_columns = columns, id_columns
         self.categorical = set(self.bundle.categorical)
@@ -208,7 +203,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
 
     started = time.monotonic()
     files, version, client = resolve_model(model, tracking_uri)
-    with _bundle_here(files) as here:
+    with _bundle_dir(files, "flotilla-predict-") as here:
         bundle = load_bundle(here)
     if bundle.task == "lm":
         raise DataError(f"--model {model!r} is a language model; batch scoring takes tabular models")
@@ -251,21 +246,14 @@ def _rows(fs: pafs.FileSystem, directory: str) -> int:
     return sum(pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows for f in files)
 
 
-class _bundle_here:
-    """The bundle's files in a temporary directory, for the driver's own look at it."""
+def _bundle_dir(files: dict[str, bytes], prefix: str):
+    """A temporary directory holding the bundle's files (removed when the returned object is)."""
+    import tempfile
 
-    def __init__(self, files: dict[str, bytes]):
-        import tempfile
-
-        self._tmp = tempfile.TemporaryDirectory(prefix="flotilla-predict-")
-        for name, data in files.items():
-            Path(self._tmp.name, name).write_bytes(data)
-
-    def __enter__(self) -> str:
-        return self._tmp.name
-
-    def __exit__(self, *exc) -> None:
-        self._tmp.cleanup()
+    directory = tempfile.TemporaryDirectory(prefix=prefix)
+    for name, data in files.items():
+        Path(directory.name, name).write_bytes(data)
+    return directory
 
 
 def _log_run(client, model: str, version: str, source: str, outcome: PredictOutcome) -> str:
