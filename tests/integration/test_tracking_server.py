@@ -99,9 +99,11 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     try:
         both_reached(2)
         tracking_server.kill()
+        down = time.time()
         # Epochs with nobody to log them to. (Before, the first one's report waited on MLflow's
         # retries for minutes, and the workers stopped at the next epoch: this never came.)
         both_reached(5)
+        up = time.time()
         tracking_server.start()
         for proc in procs:
             proc.wait(timeout=900)
@@ -114,10 +116,14 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:]
     for run_dir in run_dirs:
-        ended = [m["ended_at"] for m in json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]]
-        gaps = [round(b - a, 1) for a, b in zip(ended, ended[1:])]
-        print(f"{run_dir.name}: seconds between the ends of consecutive epochs, the server down from epoch 2 to 5: {gaps}")
-        assert max(gaps) < 10, gaps  # ~1-2 s an epoch here; minutes when a report waited on the server
+        history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
+        after_kill = [m["epoch"] for m in history if m["ended_at"] > down]
+        offline = [m["epoch"] for m in history if down < m["ended_at"] < up]
+        print(f"{run_dir.name}: epochs that ended while the server was down: {offline}, after the kill: {after_kill}")
+        # An order, not a duration (a machine busy with the other pipeline makes epochs slow, not
+        # late): the run went on past the epoch whose report found no server, before it came back.
+        # (The faster run may have had only its last epoch left to do.)
+        assert len(offline) >= min(2, len(after_kill)), (offline, after_kill)
     for out in outputs:
         assert "database is locked" not in out.lower()
         assert "registered digits-shared v" in out
