@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
-from flotilla.data._columns import as_numbers
+from flotilla.data._columns import numeric_matrix
 from flotilla.errors import BundleError
 from flotilla.models import build_model
 from flotilla.spec import CustomModelSpec, ModelSpec
@@ -137,22 +137,25 @@ class InferenceBundle:
                 # (a fresh 0..n-1 index: some of Ray's steps assign whole columns by position)
                 features = apply_all(self.feature_steps, df[columns].reset_index(drop=True))[FEATURES]
                 return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
-            array = np.column_stack([as_numbers(df[c]).to_numpy() for c in columns]) if len(df) else \
-                np.empty((0, len(columns)))
+            array = numeric_matrix(df, columns)
         if self._array_transform is not None:
             return torch.from_numpy(np.ascontiguousarray(self._array_transform(array), dtype=np.float32))
         features = apply_all(self.feature_steps, pd.DataFrame(array, columns=columns))[FEATURES]
         return torch.as_tensor(np.stack(features.to_numpy()), dtype=torch.float32)
 
-    @torch.no_grad()
     def predict(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> dict[str, list]:
+        return {k: v.tolist() for k, v in self.predict_arrays(rows).items()}
+
+    @torch.no_grad()
+    def predict_arrays(self, rows: pd.DataFrame | list[dict[str, Any]] | np.ndarray) -> dict[str, np.ndarray]:
+        """`predict` as arrays (batch scoring writes them to Arrow as they are): `predictions` (n,)
+        and, for a classifier, `probabilities` (n, classes) as float32."""
         x = self.transform(rows).to(self.device)
         out = self.model(x)
         if self.task == "classification":
-            probs = torch.softmax(out.float(), dim=-1)
-            idx = probs.argmax(dim=-1).tolist()
-            return {"predictions": [self.classes[i] for i in idx], "probabilities": probs.tolist()}
-        return {"predictions": out.squeeze(-1).tolist()}
+            probs = torch.softmax(out.float(), dim=-1).cpu().numpy()
+            return {"predictions": np.asarray(self.classes)[probs.argmax(axis=-1)], "probabilities": probs}
+        return {"predictions": out.squeeze(-1).float().cpu().numpy()}
 
     @torch.no_grad()
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,

@@ -30,6 +30,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from flotilla.data._columns import as_numbers, numeric_matrix
 from flotilla.errors import DataError, SpecError, TrackingError
 
 PREDICTIONS, REJECTED = "predictions", "rejected"
@@ -122,25 +123,20 @@ class _Scorer:
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         reasons = pd.Series([None] * len(batch), index=batch.index, dtype=object)
-        for column in self.columns:
-            if column in self.categorical:
-                continue
+        numeric = [c for c in self.columns if c not in self.categorical]
+        # Columns of numbers already (the usual case): only infinities to find, all at once.
+        dtypes = batch.dtypes
+        plain = [c for c in numeric if pd.api.types.is_numeric_dtype(dtypes[c])]
+        if plain:
+            infinite = np.isinf(numeric_matrix(batch, plain))
+            for j in np.flatnonzero(infinite.any(axis=0)):
+                self._reject(reasons, batch[plain[j]], infinite[:, j], "is infinite")
+        for column in (c for c in numeric if c not in plain):  # text: each value must read as a number
             values = batch[column]
-            if pd.api.types.is_numeric_dtype(values.dtype) or pd.api.types.is_bool_dtype(values.dtype):
-                # Numbers already (the usual case): only infinities to find. As plain float64: Ray
-                # hands Arrow-backed columns, whose NaN is not "missing" to pandas.
-                numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
-                bad_text = np.zeros(len(values), dtype=bool)
-            else:  # text: each value must read as a number (or be a gap)
-                numbers = pd.to_numeric(values.map(lambda v: float(v) if isinstance(v, (bool, np.bool_)) else v),
-                                        errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-                present = values.notna().to_numpy(dtype=bool, na_value=False)
-                bad_text = present & np.isnan(numbers) & ~_says_nan(values)
-            infinite = np.isinf(numbers)
-            for mask, why in ((bad_text, "is not a number"), (infinite, "is infinite")):
-                mask = pd.Series(mask, index=batch.index) & reasons.isna()
-                if mask.any():
-                    reasons[mask] = [f"column {column!r}: {v!r} {why}" for v in values[mask]]
+            numbers = as_numbers(values).to_numpy()
+            present = values.notna().to_numpy(dtype=bool, na_value=False)
+            self._reject(reasons, values, present & np.isnan(numbers) & ~_says_nan(values), "is not a number")
+            self._reject(reasons, values, np.isinf(numbers), "is infinite")
         good = batch[reasons.isna()]
         out = self._score(good, reasons)
         rejected = batch[reasons.notna()]
@@ -148,21 +144,28 @@ class _Scorer:
             self._write_rejected(rejected, reasons[reasons.notna()])
         return out
 
+    @staticmethod
+    def _reject(reasons: pd.Series, values: pd.Series, mask: np.ndarray, why: str) -> None:
+        """Give the rows in `mask` (not rejected yet) the reason `why`, naming the column's value."""
+        mask = pd.Series(mask, index=reasons.index) & reasons.isna()
+        if mask.any():
+            reasons[mask] = [f"column {values.name!r}: {v!r} {why}" for v in values[mask]]
+
     def _score(self, rows: pd.DataFrame, reasons: pd.Series) -> pd.DataFrame:
         result = rows[self.id_columns].reset_index(drop=True) if self.id_columns else pd.DataFrame(index=range(len(rows)))
         if not len(rows):
             result["prediction"] = pd.Series([], dtype=object)
             return result
-        answer = self.bundle.predict(rows[self.columns])
+        answer = self.bundle.predict_arrays(rows[self.columns])
         predictions = answer["predictions"]
         result["prediction"] = predictions
         if "probabilities" in answer:
-            probabilities = np.asarray(answer["probabilities"], dtype=np.float32)
+            probabilities = answer["probabilities"]
             for i, label in enumerate(self.bundle.classes):
                 result[f"probability_{label}"] = probabilities[:, i]
             finite = np.isfinite(probabilities).all(axis=1)
         else:
-            finite = np.isfinite(np.asarray(predictions, dtype=np.float64))
+            finite = np.isfinite(predictions)
         if not finite.all():  # values far outside what the model saw overflow it: no answer for them
             bad = rows.index[~finite]
             reasons[bad] = "the model's output is not a finite number"
@@ -222,8 +225,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     ensure_ray()
     cpus = int(ray.cluster_resources().get("CPU", 1))
     size = actors or max(1, cpus - 1)  # one CPU stays free for Ray Data's reads
-    reader = ray.data.read_parquet if found.format == "parquet" else ray.data.read_csv
-    ds = reader(found.paths, filesystem=found.filesystem).select_columns(list(dict.fromkeys([*id_columns, *columns])))
+    ds = _read(found, [*id_columns, *columns], blocks=max(4 * size, min(len(found.paths), 200)))
     scored = ds.map_batches(
         _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
         fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
@@ -237,6 +239,26 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     if client is not None:
         outcome.mlflow_run_id = _log_run(client, model, version, found.description, outcome)
     return outcome
+
+
+def _read(found, columns: list[str], blocks: int):
+    """The input as a Ray dataset of at least `blocks` blocks, so that every actor of the pool gets
+    work (Ray Data's default packs files into blocks of up to 128 MiB: a few million rows of a
+    narrow table are one block, which one actor scores while the others wait).
+
+    Parquet goes through Ray Data's first (V1) reader, which plans its read tasks on the driver and
+    splits them to `blocks`; the default (V2) reader lists files on an actor pool of its own (~4 s
+    to start on 2 cores) and packs them into as few blocks."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    reader = ray.data.read_parquet if found.format == "parquet" else ray.data.read_csv
+    v2, context.use_datasource_v2 = context.use_datasource_v2, False
+    try:  # (a dataset takes a copy of the context when it is created)
+        ds = reader(found.paths, filesystem=found.filesystem, override_num_blocks=blocks)
+    finally:
+        context.use_datasource_v2 = v2
+    return ds.select_columns(list(dict.fromkeys(columns)))
 
 
 def _rows(fs: pafs.FileSystem, directory: str) -> int:

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from flotilla.data import FEATURES, apply_all, array_transform, from_json, to_json
-from flotilla.data._columns import block_stats, fit_columns, merge_stats, plan_columns
+from flotilla.data._columns import as_numbers, block_stats, fit_columns, merge_stats, numeric_matrix, plan_columns
 from flotilla.errors import DataError
 from flotilla.spec import DataSpec
 
@@ -146,3 +146,15 @@ def test_cast_columns_hands_arrow_a_string_column_with_nulls_for_the_gaps():
     assert out["city"].tolist() == ["a", None, None, "3"]
     assert pa.Table.from_pandas(out).schema.field("city").type == pa.string()
     np.testing.assert_array_equal(out["x"].to_numpy(), [1.0, np.nan, 1.0, 2.0])
+
+
+def test_numeric_matrix_reads_every_kind_of_column_as_as_numbers_does():
+    df = pd.DataFrame({
+        "f": [1.5, np.nan, -np.inf], "i": [1, 2, 3], "b": [True, False, True],
+        "n": pd.array([1, None, 3], dtype="Int64"), "a": pd.array([0.5, None, 2.0], dtype="float64[pyarrow]"),
+        "t": ["4", None, "x"],
+    })
+    by_column = np.column_stack([as_numbers(df[c]).to_numpy() for c in df.columns])
+    for columns in (["f", "i", "b", "n", "a"], list(df.columns)):  # all numbers at once; with a text column
+        np.testing.assert_array_equal(numeric_matrix(df, columns), by_column[:, [list(df.columns).index(c) for c in columns]])
+    assert numeric_matrix(df.head(0), ["f", "t"]).shape == (0, 2)

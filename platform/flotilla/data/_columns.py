@@ -145,6 +145,18 @@ def as_numbers(series: pd.Series) -> pd.Series:
     return pd.to_numeric(series, errors="coerce").astype("float64")
 
 
+def numeric_matrix(df: pd.DataFrame, columns: list[str]) -> np.ndarray:
+    """`columns` of `df` as one float64 array (a gap NaN): in one step where every column holds
+    numbers or booleans already (the usual case; per column, a batch of 256 columns took 5x
+    longer than the model), through `as_numbers` column by column otherwise."""
+    if not len(df):
+        return np.empty((0, len(columns)))
+    dtypes = df.dtypes
+    if all(pd.api.types.is_numeric_dtype(dtypes[c]) for c in columns):  # (booleans included)
+        return df[columns].to_numpy(dtype=np.float64, na_value=np.nan)
+    return np.column_stack([as_numbers(df[c]).to_numpy() for c in columns])
+
+
 class CastColumns(Preprocessor):
     """Raw feature values as the steps after it expect them: numeric columns float64, categorical
     columns strings (`as_category`); a gap stays a gap for the imputers."""
