@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from flotilla.data._columns import as_category, as_numbers
+from flotilla.data._columns import as_category, numeric_matrix
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
 from flotilla.serve._schemas import (
@@ -319,8 +319,7 @@ class _Columns:
         if isinstance(rows, np.ndarray):
             numbers = rows[:, self.numeric]
         else:
-            numbers = np.column_stack([as_numbers(rows[self.names[i]]).to_numpy() for i in self.numeric]) \
-                if self.numeric else np.empty((len(rows), 0))
+            numbers = numeric_matrix(rows, [self.names[i] for i in self.numeric])
             for name, seen in self.values.items():
                 values = rows[name].map(as_category)
                 unseen = int((values.notna() & ~values.isin(seen)).sum())
