@@ -56,3 +56,18 @@ def test_short_runs_and_zero_warmup_still_build_a_schedule():
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         schedules.WarmupCosineLR(opt, total_num_steps=params["total_num_steps"],
                                  warmup_num_steps=params["warmup_num_steps"])  # DeepSpeed accepts it
+
+
+def test_a_failed_run_reports_the_rank_that_says_why_over_a_lower_rank_that_saw_the_effect():
+    """Rank 1 ran out of disk and removed its torn checkpoint; rank 0's copy into it then found its
+    files gone. The user reads rank 1's message, not rank 0's FileNotFoundError."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from flotilla.errors import CheckpointError, TrainingError
+    from flotilla.train._run import _explain
+
+    full = CheckpointError("run 'r': no space left on device for checkpoint checkpoint_epoch0004_ab")
+    vanished = FileNotFoundError("Failed to open local file '/d/r/checkpoint_epoch0004_ab/latest'")
+    assert _explain(WorkerGroupError("failed", {0: vanished, 1: full})) is full
+    plain = _explain(WorkerGroupError("failed", {1: ValueError("bad"), 0: vanished}))
+    assert isinstance(plain, TrainingError) and str(plain).startswith("training failed on rank 0: FileNotFoundError")

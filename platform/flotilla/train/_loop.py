@@ -272,12 +272,15 @@ def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], dir
     """`session.report`, with a full storage said as such: which checkpoint, where, what to do. The
     half-written checkpoint is removed (it could never load, and it holds space) by every rank that
     failed to write it; the one before stays as it was."""
+    t = config.spec.train
     try:
         session.report(metrics, directory, name)
     except OSError as e:
-        if e.errno != errno.ENOSPC and "No space left on device" not in str(e):
+        # A rank whose copy hits the full disk removes the torn checkpoint (below) while another
+        # rank's copy may still be landing files in it: that rank sees them vanish, not ENOSPC.
+        full = e.errno == errno.ENOSPC or "No space left on device" in str(e)
+        if not full and not (isinstance(e, FileNotFoundError) and f"/{config.run_name}/{name}/" in str(e)):
             raise
-        t = config.spec.train
         # Every rank that failed removes it, again while another rank's copy may still be landing
         # files in it: the last one out leaves no half-written checkpoint behind.
         with contextlib.suppress(Exception):

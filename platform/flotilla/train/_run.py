@@ -287,10 +287,11 @@ def _write_run_record(fs: pafs.FileSystem, root: str, run_name: str, spec: RunSp
 def _explain(error: ray.train.TrainingFailedError) -> FlotillaError:
     """The workers' own exception, not Ray's wrapper: a FlotillaError as is, else a TrainingError."""
     failures = getattr(error, "worker_failures", None) or {}
-    for rank, failure in sorted(failures.items()):
-        root = _root_cause(failure)
+    failures = [(rank, _root_cause(failures[rank])) for rank in sorted(failures)]
+    for _, root in failures:  # a rank that says what went wrong, over a lower one that only saw the effect
         if isinstance(root, FlotillaError):
             return root
+    for rank, root in failures:
         return TrainingError(f"training failed on rank {rank}: {summarize(root)}")
     root = _root_cause(error)
     if isinstance(root, FlotillaError):
