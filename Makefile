@@ -10,10 +10,10 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict cluster-local clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate cluster-local clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ benchmark-serve: $(VENV)/.installed ## serving requests/s and latency against pl
 
 benchmark-predict: $(VENV)/.installed ## batch scoring rows/s and memory against one pandas process
 	$(PY) benchmarks/batch_predict.py
+
+benchmark-generate: $(VENV)/.installed ## gpt generation with the KV cache against recomputing the context
+	$(PY) benchmarks/generate_cache.py
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py

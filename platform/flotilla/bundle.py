@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 import pandas as pd
@@ -157,18 +157,49 @@ class InferenceBundle:
             return {"predictions": np.asarray(self.classes)[probs.argmax(axis=-1)], "probabilities": probs}
         return {"predictions": out.squeeze(-1).float().cpu().numpy()}
 
-    @torch.no_grad()
+    def next_logits(self, cache: bool = True) -> Callable[[list[int]], torch.Tensor]:
+        """A function from the token ids so far (a list that grows by one between calls) to the
+        logits of the next token, as fp32 on the CPU.
+
+        The model sees the ids from a start that stays put until the window would exceed
+        `context`, then moves so that the last three quarters of the context stay. `cache=True`
+        keeps every layer's keys and values of the window (`GPT.step`), so a call costs one
+        token's forward pass, and a full window is recomputed only when the start moves (the
+        positions are learned and absolute: a kept token's keys change with its position);
+        `cache=False` recomputes the window at every call: the same logits, for models without
+        `step` and as the reference the cached path is tested against."""
+        model, context = self.model, self.schema.context
+        keep = max(1, context * 3 // 4)
+        state: dict[str, Any] = {"start": 0, "cache": None}
+        cached = cache and hasattr(model, "step")
+
+        def logits_of(ids: list[int]) -> torch.Tensor:
+            n = len(ids)
+            if n - state["start"] > context:
+                state["start"], state["cache"] = n - keep, None
+            start = state["start"]
+            if not cached:
+                return model(torch.tensor([ids[start:]], device=self.device))[0, -1].float().cpu()
+            if state["cache"] is None:
+                state["cache"] = model.new_cache()
+            kv = state["cache"]
+            return model.step(torch.tensor([ids[start + kv.length:]], device=self.device), kv)[0, -1].float().cpu()
+
+        return logits_of
+
+    @torch.inference_mode()
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
-                        top_k: int | None = None, seed: int | None = None) -> Iterator[str]:
-        """Yield decoded text pieces as bytes are sampled (a piece ends on a UTF-8 boundary)."""
+                        top_k: int | None = None, seed: int | None = None, cache: bool = True) -> Iterator[str]:
+        """Yield decoded text pieces as bytes are sampled (a piece ends on a UTF-8 boundary).
+        `cache=False` recomputes the context for every token (see `next_logits`): the same text."""
         if self.task != "lm":
             raise BundleError("generate() needs a language-model (gpt) bundle; use predict()")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        context = self.schema.context
+        logits_of = self.next_logits(cache)
         ids = ByteWindows.encode(prompt) or [ord("\n")]
         pending = b""
         for _ in range(max_tokens):
-            logits = self.model(torch.tensor([ids[-context:]], device=self.device))[0, -1].float().cpu()
+            logits = logits_of(ids)
             if temperature <= 0:
                 nxt = int(logits.argmax())
             else:

@@ -43,6 +43,36 @@ def test_gpt_is_causal_and_checkpointing_keeps_gradients():
     assert flops_per_token(spec, n) > 6 * n
 
 
+def test_gpt_step_with_its_cache_gives_the_logits_of_the_whole_sequence():
+    torch.manual_seed(0)
+    model = GPT(256, 12, 2, 2, 16).eval()
+    tokens = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = model.new_cache(batch=2)
+        pieces = [model.step(tokens[:, :4], cache), model.step(tokens[:, 4:7], cache)]  # a prompt, then 3 at once
+        pieces += [model.step(tokens[:, i:i + 1], cache) for i in range(7, 10)]  # then one at a time
+        with pytest.raises(ValueError, match="10 cached \\+ 3 new tokens exceed the context of 12"):
+            model.step(tokens[:, :3], cache)
+    assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3},
+                                      {"temperature": 0.7, "top_k": 20, "seed": 1}])
+def test_cached_generation_writes_what_the_uncached_loop_writes(sampling):
+    """Past the context too: 40 new tokens through a window of 12, which moves every 3 tokens."""
+    from flotilla.bundle import InferenceBundle
+    from flotilla.data import DataSchema
+
+    torch.manual_seed(0)
+    schema = DataSchema(task="lm", vocab_size=256, context=12, text_column="text")
+    bundle = InferenceBundle(path=None, model=GPT(256, 12, 2, 2, 16).eval(), model_spec={}, schema=schema,
+                             feature_steps=[], classes=None, metrics={})
+    cached = bundle.generate("def main(", max_tokens=40, **sampling)
+    assert cached == bundle.generate("def main(", max_tokens=40, cache=False, **sampling)
+    assert len(cached) >= 10
+
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(textwrap.dedent("""

@@ -2,14 +2,41 @@
 
 Attention goes through `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`,
 which picks a fused kernel where the device has one.
+
+Generation runs `GPT.step`: the forward pass over new tokens only, given the keys and values of
+the tokens before them (`KVCache`), into which it writes theirs.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+# (keys, values) of new tokens -> (keys, values) of every token so far; (batch, heads, tokens, head width)
+Extend = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCache:
+    """Every layer's keys and values for the tokens seen so far, in buffers sized to the context:
+    a step writes its tokens' in place, with no copy of the earlier ones."""
+
+    def __init__(self, layers: int, batch: int, heads: int, context: int, head_width: int, like: torch.Tensor):
+        self.keys = like.new_zeros(layers, batch, heads, context, head_width)
+        self.values = like.new_zeros(layers, batch, heads, context, head_width)
+        self.length = 0
+
+    def extend(self, layer: int, start: int) -> Extend:
+        def extend(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            end = start + k.shape[2]
+            self.keys[layer, :, :, start:end] = k
+            self.values[layer, :, :, start:end] = v
+            return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        return extend
 
 
 class CausalSelfAttention(nn.Module):
@@ -30,6 +57,20 @@ class CausalSelfAttention(nn.Module):
         )
         return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
+    def step(self, x: torch.Tensor, extend: Extend) -> torch.Tensor:
+        """`forward` (eval) for tokens that follow those whose keys and values `extend` holds. A new
+        token attends to every earlier one and to the new ones up to itself."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        k, v = extend(k, v)
+        if t == 1:  # a decode step: it sees everything, no mask
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:
+            past = k.shape[2] - t
+            seen = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(past, past + t, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
 
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, dropout: float):
@@ -43,6 +84,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def step(self, x: torch.Tensor, extend: Extend) -> torch.Tensor:
+        x = x + self.attn.step(self.ln1(x), extend)
         return x + self.mlp(self.ln2(x))
 
 
@@ -76,6 +121,23 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        return self.head(self.ln_f(x))
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        """An empty cache for `batch` sequences of up to `context` tokens."""
+        heads = self.blocks[0].attn.heads
+        return KVCache(len(self.blocks), batch, heads, self.context, self.tok.embedding_dim // heads, self.head.weight)
+
+    def step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits for `tokens` (batch, new tokens) that follow the ones in `cache` (eval: no dropout),
+        whose keys and values join the cache. Positions continue from the cache's length."""
+        start, t = cache.length, tokens.shape[1]
+        if start + t > self.context:
+            raise ValueError(f"{start} cached + {t} new tokens exceed the context of {self.context}")
+        x = self.tok(tokens) + self.pos.weight[start:start + t]
+        for i, block in enumerate(self.blocks):
+            x = block.step(x, cache.extend(i, start))
+        cache.length = start + t
         return self.head(self.ln_f(x))
 
 
