@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
 
@@ -80,6 +80,7 @@ class InferenceBundle:
     # Tables: per feature column, its kind, range or values in the train split (None in bundles
     # written before profiles existed).
     profile: dict[str, dict[str, Any]] | None = None
+    runtime: str = "torch"  # what runs the model: torch, or an ONNX variant (`with_runtime`)
 
     def __post_init__(self):
         columns = self.schema.feature_columns
@@ -103,7 +104,29 @@ class InferenceBundle:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        weight = next(iter(self.model.parameters()), None)
+        return weight.device if weight is not None else torch.device("cpu")
+
+    @property
+    def variants(self) -> dict[str, dict[str, Any]]:
+        """The ONNX variants `flotilla export` built in this bundle and what their gates found."""
+        from flotilla.export import read_variants
+
+        return read_variants(self.path) if self.path is not None else {}
+
+    def with_runtime(self, runtime: str, check: bool = True) -> "InferenceBundle":
+        """This bundle with its model run by `runtime`: `torch` (itself), `onnx` or `onnx-int8` (its
+        variant, through ONNX Runtime), or `auto` (the fastest that passed its gate). A variant that
+        is missing or failed its gate is refused unless `check` is off (the gate itself runs it)."""
+        from flotilla.export import VARIANTS_DIR, ONNX_FILE, OnnxModel, choose_runtime
+
+        name = choose_runtime(self.variants, runtime, str(self.path)) if check else runtime
+        if name == self.runtime:
+            return self
+        if name == "torch":
+            raise BundleError("this bundle runs an ONNX variant; load the bundle again for its torch model")
+        model = OnnxModel(Path(self.path) / VARIANTS_DIR / name / ONNX_FILE)
+        return replace(self, model=model, runtime=name)
 
     def to(self, device: str | torch.device) -> "InferenceBundle":
         """Move the model (serving on a GPU); inputs follow it."""

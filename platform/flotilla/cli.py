@@ -98,6 +98,21 @@ with the row and the reason; the job goes on past them. A registered model's sco
 as an MLflow run in the experiment that trained it (store: --tracking-uri, else
 $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory).""",
     ),
+    "export": (
+        "Build ONNX and int8 variants of a registered model, each gated for parity with the torch model.",
+        """examples:
+  flotilla export --model digits@champion
+  flotilla export --model pycode-gpt/2 --set export.variants=[onnx]
+  flotilla export --model runs/digits-20261130-101500/bundle
+  flotilla deploy --config configs/digits.yaml --set serve.runtime=onnx-int8     # then serve one
+
+Exports the model to ONNX (a `gpt` with its KV cache as inputs and outputs), quantizes it to int8
+with ONNX Runtime, and runs each variant and the torch model over the validation rows of the spec
+the version was trained with: a variant passes when its accuracy is within export.max_accuracy_drop
+(perplexity, RMSE: export.max_relative_increase) of torch's. The variants join the same version
+(its model's bundle/variants/, a `flotilla.runtime.<variant>` tag each, passed or failed and why)
+with their speed measured here, from which serve.runtime=auto picks; a failed one is never served.""",
+    ),
     "validate": (
         "Check a spec (with its overrides) and print it resolved, every default filled in.",
         """examples:
@@ -148,10 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
         "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
-        "promote": _promote_args, "predict": _predict_args, "validate": _spec_args, "config": _config_args,
+        "promote": _promote_args, "predict": _predict_args, "export": _export_args, "validate": _spec_args,
+        "config": _config_args,
     }
     runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "deploy-apps": _deploy_apps, "promote": _promote,
-               "predict": _predict, "validate": _validate, "config": _config}
+               "predict": _predict, "export": _export, "validate": _validate, "config": _config}
     for name, add_args in commands.items():
         summary, examples = SUBCOMMANDS[name]
         p = sub.add_parser(name, help=summary, description=summary, epilog=examples + "\n\n" + EXIT_CODES_TEXT,
@@ -220,6 +236,16 @@ def _predict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--actors", type=int, metavar="N", help="scoring actors, one CPU each (default: the cluster's "
                                                            "CPUs but one)")
     p.add_argument("--batch-size", type=int, default=4096, metavar="ROWS", help="rows per batch (default: %(default)s)")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION|BUNDLE",
+                   help="a registered model by alias or version, or the path of a bundle (or run) directory")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI of the registry (for NAME@ALIAS and NAME/VERSION)")
+    _spec_args(p)
+    p.set_defaults(config=None)
+    p._option_string_actions["--config"].help = (
+        "the spec for the validation rows and the `export` section (default: the one the version was trained with)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -351,6 +377,14 @@ def _predict(args) -> int:
     print(outcome.describe())
     if outcome.mlflow_run_id:
         print(f"MLflow run {outcome.mlflow_run_id} (batch prediction, linked to {outcome.model})")
+    return 0
+
+
+def _export(args) -> int:
+    from flotilla.export import export_model
+
+    outcome = export_model(args.model, tracking_uri=args.tracking_uri, config=args.config, overrides=args.overrides)
+    print(outcome.describe())
     return 0
 
 

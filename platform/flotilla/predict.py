@@ -31,7 +31,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from flotilla.data._columns import as_numbers, numeric_matrix
-from flotilla.errors import DataError, SpecError, TrackingError
+from flotilla.errors import DataError
 
 PREDICTIONS, REJECTED = "predictions", "rejected"
 BUNDLE_FILES = ("model.safetensors", "model.json", "preprocessors.json", "metrics.json")
@@ -67,30 +67,16 @@ def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict
             raise DataError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); "
                             "give a run's bundle directory, NAME@ALIAS or NAME/VERSION")
         return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, None, None
-    if "@" in reference:
-        name, _, alias = reference.partition("@")
-        version = None
-    elif "/" in reference and reference.rsplit("/", 1)[1].isdigit():
-        name, _, version = reference.rpartition("/")
-        alias = None
-    else:
-        raise SpecError([f"--model {reference!r}: give NAME@ALIAS (digits@champion), NAME/VERSION (digits/3) or "
-                         "the path of a bundle directory"], "flotilla predict")
     import tempfile
 
     from mlflow.artifacts import download_artifacts
-    from mlflow.exceptions import MlflowException
 
-    from flotilla.track import registry_client
+    from flotilla.track import registry_client, resolve_reference
     from flotilla.track._registry import _bundle_dir
 
     client = registry_client(tracking_uri)
-    try:
-        if alias is not None:
-            version = str(client.get_model_version_by_alias(name, alias).version)
-        location = client.get_model_version_download_uri(name, version)
-    except MlflowException as e:
-        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
+    name, version = resolve_reference(client, reference, "flotilla predict")
+    location = client.get_model_version_download_uri(name, version)
     with tempfile.TemporaryDirectory(prefix="flotilla-predict-") as tmp:
         model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
         bundle = _bundle_dir(model, f"{name} v{version}")

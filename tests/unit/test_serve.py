@@ -120,3 +120,22 @@ def test_serve_app_builders_say_what_they_need():
         build_app({}, "classifier")
     with pytest.raises(ServeError, match="give one of alias=, version= or traffic="):
         build_app({"model": "digits", "alias": "champion", "version": "3"}, "classifier")
+
+
+def test_serve_runtime_takes_a_variant_only_when_it_passed_and_auto_the_fastest_that_did():
+    from flotilla.errors import BundleError
+    from flotilla.export import choose_runtime
+
+    records = {"torch": {"speed": {"per_s": 100.0}},
+               "onnx": {"passed": True, "reason": "ok", "speed": {"per_s": 150.0}},
+               "onnx-int8": {"passed": False, "reason": "accuracy drop 0.90 points (at most 0.5)", "speed": {"per_s": 300.0}}}
+    assert choose_runtime(records, "auto", "digits v1") == "onnx"  # int8 is faster, but failed its gate
+    assert choose_runtime(records, "onnx", "digits v1") == "onnx"
+    assert choose_runtime(records, "torch", "digits v1") == "torch"
+    with pytest.raises(BundleError, match=r"digits v1: its onnx-int8 variant failed its parity gate \(accuracy drop 0.90"):
+        choose_runtime(records, "onnx-int8", "digits v1")
+    with pytest.raises(BundleError, match="digits v1 has no onnx variant; build it with `flotilla export"):
+        choose_runtime({}, "onnx", "digits v1")
+    assert choose_runtime({}, "auto", "digits v1") == "torch"  # nothing exported: torch
+    slow = {**records, "onnx": {**records["onnx"], "speed": {"per_s": 90.0}}}
+    assert choose_runtime(slow, "auto", "digits v1") == "torch"

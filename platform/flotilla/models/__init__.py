@@ -7,7 +7,7 @@ The factory is called as `factory(model_spec: dict, schema: dict)` and must retu
 """
 
 from flotilla.models._factory import build_model, load_factory
-from flotilla.models._gpt import GPT, flops_per_token
+from flotilla.models._gpt import GPT, KVCache, flops_per_token
 from flotilla.models._mlp import MLP
 
-__all__ = ["GPT", "MLP", "build_model", "flops_per_token", "load_factory"]
+__all__ = ["GPT", "MLP", "KVCache", "build_model", "flops_per_token", "load_factory"]

@@ -63,7 +63,8 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         k, v = extend(k, v)
-        if t == 1:  # a decode step: it sees everything, no mask
+        if t == 1 and not torch.compiler.is_exporting():  # a decode step sees everything: no mask (an
+            # exported graph serves any number of new tokens, so it keeps the mask)
             y = F.scaled_dot_product_attention(q, k, v)
         else:
             past = k.shape[2] - t
@@ -134,10 +135,16 @@ class GPT(nn.Module):
         start, t = cache.length, tokens.shape[1]
         if start + t > self.context:
             raise ValueError(f"{start} cached + {t} new tokens exceed the context of {self.context}")
-        x = self.tok(tokens) + self.pos.weight[start:start + t]
-        for i, block in enumerate(self.blocks):
-            x = block.step(x, cache.extend(i, start))
+        logits = self.step_with(tokens, start, [cache.extend(i, start) for i in range(len(self.blocks))])
         cache.length = start + t
+        return logits
+
+    def step_with(self, tokens: torch.Tensor, start: int, extends: list[Extend]) -> torch.Tensor:
+        """`step` with each layer's cache given as a function (`Extend`): the ONNX export passes
+        ones that concatenate, so the graph takes and returns the cache as tensors."""
+        x = self.tok(tokens) + self.pos.weight[start:start + tokens.shape[1]]
+        for block, extend in zip(self.blocks, extends):
+            x = block.step(x, extend)
         return self.head(self.ln_f(x))
 
 

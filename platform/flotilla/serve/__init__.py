@@ -24,9 +24,10 @@ from flotilla.serve._deploy import (
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
 from flotilla.spec import traffic_override
-from flotilla.serve._server import VERSION_HEADER, Classifier, Generator, load_version
+from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, Classifier, Generator, load_version
 
 __all__ = [
+    "RUNTIME_HEADER",
     "VERSION_HEADER",
     "AppArgs",
     "build_app",

@@ -117,10 +117,29 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
             aliases.setdefault(version, []).append(spec.serve.shadow.target)
         shadow = ShadowTarget(version=version, percent=spec.serve.shadow.percent,
                               max_in_flight=spec.serve.shadow.max_in_flight)
-    kinds = {v: _version_kind(client, name, v) for v in set(traffic) | ({shadow.version} if shadow else set())}
+    served = set(traffic) | ({shadow.version} if shadow else set())
+    _check_runtime(client, name, served, spec.serve.runtime)
+    kinds = {v: _version_kind(client, name, v) for v in served}
     if len(set(kinds.values())) > 1:
         raise ServeError(f"{name}: the versions to serve are of different kinds {kinds}; one endpoint serves one kind")
     return DeploymentPlan(name, next(iter(kinds.values())), uri, spec.serve, traffic, aliases, shadow)
+
+
+def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:
+    """Before anything is deployed: each version holds the variant `serve.runtime` names, and it
+    passed its gate (the replica checks again when it loads the files)."""
+    from flotilla.errors import BundleError
+    from flotilla.export import choose_runtime
+
+    if runtime in ("torch", "auto"):
+        return
+    for version in sorted(versions, key=int):
+        verdict = client.get_model_version(name, version).tags.get(f"flotilla.runtime.{runtime}")
+        records = {} if verdict is None else {runtime: {"passed": verdict.startswith("passed"), "reason": verdict}}
+        try:
+            choose_runtime(records, runtime, f"{name} v{version}")
+        except BundleError as e:
+            raise ServeError(f"serve.runtime={runtime}: {e}") from None
 
 
 def _version_kind(client, name: str, version: str) -> str:
@@ -295,11 +314,12 @@ def query_endpoint(endpoint: Endpoint) -> tuple[bool, list[str]]:
 
     import requests
 
-    from flotilla.serve._server import VERSION_HEADER
+    from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER
 
     path, body = sample_request(endpoint.plan)
     response = requests.post(endpoint.url + path, json=body, timeout=60)
-    lines = [f"POST {endpoint.url}{path} -> {response.status_code} from v{response.headers.get(VERSION_HEADER)}"]
+    lines = [f"POST {endpoint.url}{path} -> {response.status_code} from v{response.headers.get(VERSION_HEADER)} "
+             f"({response.headers.get(RUNTIME_HEADER)})"]
     if response.status_code != 200:
         return False, lines + [response.text]
     answer = response.json()

@@ -43,6 +43,7 @@ class ReplicaLimits(_Strict):
     num_cpus: int = Field(ge=1)  # torch threads
     num_gpus: float = Field(ge=0)
     allow_factories: tuple[str, ...] = ()  # custom model factories a version may import
+    runtime: str = "torch"  # serve.runtime: torch, onnx, onnx-int8 or auto
 
     @classmethod
     def from_spec(cls, s) -> "ReplicaLimits":
@@ -51,5 +52,5 @@ class ReplicaLimits(_Strict):
             max_body_bytes=s.max_body_bytes, max_instances=s.max_instances, max_new_tokens=s.max_new_tokens,
             request_timeout_s=s.request_timeout_s, sticky_header=s.sticky_header,
             num_cpus=max(1, math.floor(s.replica.num_cpus)) if s.replica.num_cpus else 1,
-            num_gpus=s.replica.num_gpus, allow_factories=tuple(s.allow_factories),
+            num_gpus=s.replica.num_gpus, allow_factories=tuple(s.allow_factories), runtime=s.runtime,
         )

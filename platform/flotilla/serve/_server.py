@@ -46,6 +46,7 @@ from flotilla.serve._schemas import (
 
 logger = logging.getLogger("ray.serve")
 VERSION_HEADER = "X-Model-Version"
+RUNTIME_HEADER = "X-Model-Runtime"
 LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -90,15 +91,16 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def load_version(model: str, version: str, tracking_uri: str, factories: tuple[str, ...] = ()):
+def load_version(model: str, version: str, tracking_uri: str, factories: tuple[str, ...] = (), runtime: str = "torch"):
     """The inference bundle of registered `model` version `version`, from its bundle files only:
     no code that the registry holds runs in a replica, and a custom model's factory only when
-    `factories` (`serve.allow_factories`) lists it (`flotilla.track.load_registered_bundle`)."""
+    `factories` (`serve.allow_factories`) lists it (`flotilla.track.load_registered_bundle`); its
+    model run by `runtime` (`serve.runtime`)."""
     from mlflow import MlflowClient
 
     from flotilla.track import load_registered_bundle
 
-    return load_registered_bundle(MlflowClient(tracking_uri), model, version, factories)
+    return load_registered_bundle(MlflowClient(tracking_uri), model, version, factories, runtime)
 
 
 class _ModelServer:
@@ -160,7 +162,11 @@ class _ModelServer:
         logger.info("serving %s: split %s, shadow %s", self.model_name, split.percents(), self.shadow)
 
     def _load_and_warm(self, version: str, config: ReplicaConfig):
-        bundle = load_version(self.model_name, version, self.tracking_uri, self.limits.allow_factories).to(self.device)
+        runtime = self.limits.runtime
+        if runtime == "auto" and self.device != "cpu":
+            runtime = "torch"  # the ONNX variants run on the CPU
+        bundle = load_version(self.model_name, version, self.tracking_uri, self.limits.allow_factories,
+                              runtime).to(self.device)
         kind = "generator" if bundle.task == "lm" else "classifier"
         if kind != self.task_kind:
             raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")
@@ -188,7 +194,13 @@ class _ModelServer:
             "aliases": self.aliases,
             "shadow": self.shadow.model_dump() if self.shadow else None,
             "versions": sorted(self.bundles, key=int),
+            "runtimes": {v: b.runtime for v, b in sorted(self.bundles.items())},
         }
+
+    @staticmethod
+    def headers(version: str, bundle) -> dict[str, str]:
+        """Which version answered, and what ran its model."""
+        return {VERSION_HEADER: version, RUNTIME_HEADER: bundle.runtime}
 
     def choose(self, request: Request) -> str:
         caller = request.headers.get(self.limits.sticky_header)
@@ -372,7 +384,7 @@ class Classifier(_ModelServer):
                 payload["classes"] = bundle.classes
             if self.shadow and random.random() * 100 < self.shadow.percent:
                 self._maybe_mirror(rows, out["predictions"])
-            return version, JSONResponse(payload, headers={VERSION_HEADER: version})
+            return version, JSONResponse(payload, headers=self.headers(version, bundle))
 
         return await self.answer(request, handle)
 
@@ -544,7 +556,7 @@ class Generator(_ModelServer):
             bundle = self.bundles[version]
             kwargs = dict(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k or None,
                           seed=body.seed)
-            headers = {VERSION_HEADER: version}
+            headers = self.headers(version, bundle)
             if body.stream:
                 return version, StreamingResponse(self._events(bundle, version, body.prompt, kwargs),
                                                   media_type="text/event-stream", headers=headers)

@@ -13,6 +13,7 @@ from flotilla.spec._sections import (
     CostSpec,
     CustomModelSpec,
     DataSpec,
+    ExportSpec,
     GateSpec,
     GPTSpec,
     MLPSpec,
@@ -42,6 +43,7 @@ def spec_reference_markdown() -> str:
         ("serve.replica", ReplicaSpec, None),
         ("serve.autoscaling", AutoscalingSpec, None),
         ("serve.batching", BatchingSpec, None),
+        ("export", ExportSpec, None),
         ("cost", CostSpec, None),
     ]
     lines = [

@@ -316,6 +316,29 @@ class TrackSpec(_Section):
     gate: GateSpec = Field(default_factory=GateSpec, description="The quality gate for promotion to `champion`.")
 
 
+# ---------------------------------------------------------------------------- export
+VARIANTS = ("onnx", "onnx-int8")
+
+
+class ExportSpec(_Section):
+    """ONNX variants of a registered version (`flotilla export`): each is checked against the torch
+    model on the run's validation rows (its parity gate) before serving may use it."""
+
+    variants: list[Literal["onnx", "onnx-int8"]] = Field(
+        ["onnx", "onnx-int8"],
+        description="Variants to build: `onnx` (the fp32 graph, run by ONNX Runtime) and `onnx-int8` (its weights "
+        "quantized to int8 by ONNX Runtime's dynamic quantization).",
+    )
+    max_accuracy_drop: float = Field(
+        0.005, description="A classifier's variant fails its gate when its validation accuracy is below the torch "
+        "model's by more than this (0.005: half a point).",
+    )
+    max_relative_increase: float = Field(
+        0.02, description="A language model's (perplexity) or regressor's (RMSE) variant fails its gate when its "
+        "validation metric is above the torch model's by more than this fraction (0.02: 2 %).",
+    )
+
+
 # ------------------------------------------------------------------------ cost
 class CostSpec(_Section):
     """Prices for the resource accounting of runs and sweeps (CPU-hours, GPU-hours, cost)."""
@@ -343,6 +366,7 @@ class RunSpec(_Section):
     track: TrackSpec = Field(default_factory=TrackSpec, description="Experiment tracking and the model registry.")
     tune: Optional[TuneSpec] = Field(None, description="A hyperparameter sweep over this spec (`tune/sweep.py`).")
     serve: ServeSpec = Field(default_factory=ServeSpec, description="The HTTP endpoint (`pipelines/deploy.py`).")
+    export: ExportSpec = Field(default_factory=ExportSpec, description="ONNX and int8 variants (`flotilla export`).")
     cost: CostSpec = Field(default_factory=CostSpec, description="Prices for resource accounting.")
 
     @model_validator(mode="before")

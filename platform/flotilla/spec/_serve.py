@@ -103,6 +103,13 @@ class ServeSpec(_Section):
     route_prefix: Optional[str] = Field(
         None, description="URL prefix of the endpoint; null uses `/v1/models/<model>`."
     )
+    runtime: Literal["torch", "onnx", "onnx-int8", "auto"] = Field(
+        "torch",
+        description="What runs the model in a replica: `torch`, or a variant `flotilla export` built and gated "
+        "(`onnx`, `onnx-int8`); a version without that variant, or whose variant failed its gate, is refused. "
+        "`auto`: the fastest of torch and the variants that passed, as measured when they were exported (torch "
+        "for a version without variants, and on a GPU replica). The `X-Model-Runtime` header says which answered.",
+    )
     replica: ReplicaSpec = Field(default_factory=ReplicaSpec, description="Resources per replica.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Replica autoscaling.")
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Dynamic batching.")

@@ -16,6 +16,7 @@ from flotilla.track._registry import (
     alias_version,
     champion_history,
     load_registered_bundle,
+    resolve_reference,
     rollback_champion,
     set_alias,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "evaluate_bundles",
     "flatten",
     "load_registered_bundle",
+    "resolve_reference",
     "log_params",
     "log_resources",
     "open_tracker",

@@ -13,7 +13,7 @@ from typing import Collection
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from flotilla.errors import TrackingError
+from flotilla.errors import BundleError, TrackingError
 from flotilla.track._store import lost_insert_race
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -32,6 +32,28 @@ class AliasChange:
         if self.before == self.after:
             return f"{self.model}@{self.alias} stays v{self.after} (no change)"
         return f"{self.model}@{self.alias}: {was} -> v{self.after} ({verb})"
+
+
+def resolve_reference(client: MlflowClient, reference: str, command: str) -> tuple[str, str]:
+    """`--model NAME@ALIAS` or `NAME/VERSION` as (name, version), the version checked to exist."""
+    from flotilla.errors import SpecError
+
+    if "@" in reference:
+        name, _, alias = reference.partition("@")
+        version = None
+    elif "/" in reference and reference.rsplit("/", 1)[1].isdigit():
+        name, _, version = reference.rpartition("/")
+        alias = None
+    else:
+        raise SpecError([f"--model {reference!r}: give NAME@ALIAS (digits@champion), NAME/VERSION (digits/3) or the "
+                         "path of a bundle directory"], command)
+    try:
+        if alias is not None:
+            version = str(client.get_model_version_by_alias(name, alias).version)
+        client.get_model_version(name, version)
+    except MlflowException as e:
+        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
+    return name, version
 
 
 def ensure_registered_model(client: MlflowClient, name: str) -> None:
@@ -135,14 +157,16 @@ def _check_version(client: MlflowClient, name: str, version: str) -> None:
         ) from None
 
 
-def load_registered_bundle(client: MlflowClient, name: str, version: str, factories: Collection[str] = ()):
+def load_registered_bundle(client: MlflowClient, name: str, version: str, factories: Collection[str] = (),
+                           runtime: str = "torch"):
     """Registered `name` version `version` as an inference bundle (`flotilla.bundle.load_bundle`):
     its model directory is downloaded and only its bundle (safetensors weights, JSON config and
     preprocessors, where the MLmodel file says) is read, by the Flotilla installed here. Nothing the
     version carries is imported or run, unlike
     `mlflow.pyfunc.load_model`, which executes the model's own code: anyone who can write to the
     registry could have replaced that code. A `custom` model's factory is imported only when
-    `factories` lists it (`serve.allow_factories`)."""
+    `factories` lists it (`serve.allow_factories`). `runtime` picks what runs the model: torch, or
+    an ONNX variant the version holds (`InferenceBundle.with_runtime`)."""
     import tempfile
     from pathlib import Path
 
@@ -155,7 +179,11 @@ def load_registered_bundle(client: MlflowClient, name: str, version: str, factor
         # The whole model directory, as MLflow's own loader fetches it: a subdirectory alone is not
         # found as one through every artifact server (an MLflow server proxying a local store).
         model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
-        return load_bundle(_bundle_dir(model, f"{name} v{version}"), factories=factories)  # read into memory
+        bundle = load_bundle(_bundle_dir(model, f"{name} v{version}"), factories=factories)  # read into memory
+        try:
+            return bundle.with_runtime(runtime)
+        except BundleError as e:
+            raise TrackingError(f"{name} v{version}: {e}") from None
 
 
 def _bundle_dir(model: Path, what: str) -> Path:

@@ -1,0 +1,441 @@
+"""ONNX variants of a bundle: export, int8 quantization, a parity gate, a speed measurement, and
+the ONNX Runtime model that runs in a bundle in place of the torch one.
+
+    records = build_variants(bundle, val_batches, spec.export)    # writes <bundle>/variants/
+    fast = bundle.with_runtime("onnx-int8")                       # the same API, ONNX Runtime inside
+
+A variant is `variants/<name>/model.onnx` in the bundle directory; `variants/variants.json`
+records, per variant, whether it passed its gate, the numbers the gate compared, and the speed
+measured on the exporting machine (also for `torch`), from which `serve.runtime: auto` picks.
+The graph holds the model only: preprocessing stays the bundle's own, so every runtime sees the
+same inputs. A `gpt` graph takes and returns the KV cache (`tokens, past_keys, past_values ->
+logits, keys, values`), so generation with ONNX Runtime is incremental too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from flotilla.errors import BundleError
+from flotilla.metrics import primary_metric
+
+VARIANTS_DIR, VARIANTS_JSON, ONNX_FILE = "variants", "variants.json", "model.onnx"
+RUNTIMES = ("torch", "onnx", "onnx-int8")
+
+
+def read_variants(bundle_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The variants recorded in a bundle directory ({} when none were built)."""
+    path = Path(bundle_dir) / VARIANTS_DIR / VARIANTS_JSON
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def choose_runtime(records: dict[str, dict[str, Any]], wanted: str, what: str) -> str:
+    """The runtime to serve: `wanted` if it is torch or a variant that passed its gate; for `auto`,
+    the fastest of torch and the variants that passed (torch when nothing was measured)."""
+    if wanted == "torch":
+        return "torch"
+    if wanted != "auto":
+        record = records.get(wanted)
+        if record is None:
+            raise BundleError(f"{what} has no {wanted} variant; build it with `flotilla export --model ...`, "
+                              f"or serve it with `--set serve.runtime=torch`")
+        if not record.get("passed"):
+            raise BundleError(f"{what}: its {wanted} variant failed its parity gate ({record.get('reason')}); "
+                              f"it is never served: `--set serve.runtime=torch` or another variant")
+        return wanted
+    usable = {name: r for name, r in records.items() if name == "torch" or r.get("passed")}
+    speeds = {name: r.get("speed", {}).get("per_s") for name, r in usable.items()}
+    speeds = {name: v for name, v in speeds.items() if v}
+    return max(speeds, key=speeds.get) if len(speeds) > 1 else "torch"
+
+
+class OnnxCache:
+    """The KV cache of an ONNX `gpt` graph: its tensors go in and come back grown."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray):
+        self.keys, self.values = keys, values
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
+
+
+class OnnxModel:
+    """An ONNX Runtime session in a bundle's place of the torch model: called with the model's input
+    tensor, it returns the output tensor; a `gpt` graph also runs `step` with its cache, as
+    `GPT.step` does. It uses as many threads as torch does in this process."""
+
+    def __init__(self, path: str | Path, threads: int | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        # Idle threads sleep instead of spinning: a spinning pool takes the cores from the torch
+        # work around each call (preprocessing, softmax) and from the other replicas.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.session.get_inputs()]
+        self.language = self.names[0] == "tokens"
+        if self.language:
+            shape = self.session.get_inputs()[1].shape  # [layers, batch, heads, past, head width]
+            self._cache_shape = (shape[0], shape[2], shape[4])
+
+    def eval(self) -> "OnnxModel":
+        return self
+
+    def parameters(self):
+        return iter(())
+
+    def to(self, device) -> "OnnxModel":
+        if torch.device(device).type != "cpu":
+            raise BundleError("ONNX variants run on the CPU (onnxruntime's CPU provider); serve a GPU replica with "
+                              "`--set serve.runtime=torch`")
+        return self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.language:
+            return self.step(x, self.new_cache(x.shape[0]))
+        return torch.from_numpy(self.session.run(None, {self.names[0]: x.numpy().astype(np.float32, copy=False)})[0])
+
+    def new_cache(self, batch: int = 1) -> OnnxCache:
+        layers, heads, width = self._cache_shape
+        empty = np.zeros((layers, batch, heads, 0, width), np.float32)
+        return OnnxCache(empty, empty.copy())
+
+    def step(self, tokens: torch.Tensor, cache: OnnxCache) -> torch.Tensor:
+        logits, cache.keys, cache.values = self.session.run(None, {
+            "tokens": tokens.numpy().astype(np.int64, copy=False), "past_keys": cache.keys, "past_values": cache.values})
+        return torch.from_numpy(logits)
+
+
+class _GPTGraph(torch.nn.Module):
+    """`GPT.step_with` as a graph whose cache is tensors in and out."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens, past_keys, past_values):
+        keys, values = [], []
+
+        def extender(i: int):
+            def extend(k, v):
+                k, v = torch.cat([past_keys[i], k], dim=2), torch.cat([past_values[i], v], dim=2)
+                keys.append(k)
+                values.append(v)
+                return k, v
+            return extend
+
+        logits = self.gpt.step_with(tokens, past_keys.shape[3], [extender(i) for i in range(len(self.gpt.blocks))])
+        return logits, torch.stack(keys), torch.stack(values)
+
+
+def export_onnx(bundle, path: Path) -> None:
+    """The bundle's torch model as an ONNX graph with a dynamic batch (and, for `gpt`, dynamic new
+    and cached token counts)."""
+    from torch.export import Dim
+
+    kind = bundle.model_spec.get("kind")
+    model = bundle.model.eval()
+    batch = Dim("batch", min=1, max=65536)
+    if kind == "mlp":
+        args = (torch.zeros(2, bundle.schema.num_features),)
+        names, outputs, dynamic = ["features"], ["output"], ({0: batch},)
+    elif kind == "gpt":
+        model = _GPTGraph(model).eval()
+        blocks = bundle.model.blocks
+        heads = blocks[0].attn.heads
+        shape = (len(blocks), 1, heads, 2, bundle.model.tok.embedding_dim // heads)
+        # Two distinct tensors: the exporter merges inputs that are the same tensor.
+        args = (torch.zeros(1, 3, dtype=torch.long), torch.zeros(shape), torch.ones(shape))
+        context = bundle.schema.context
+        new, past = Dim("tokens", min=1, max=context), Dim("past", min=0, max=context - 1)
+        names, outputs = ["tokens", "past_keys", "past_values"], ["logits", "keys", "values"]
+        dynamic = ({0: batch, 1: new}, {1: batch, 3: past}, {1: batch, 3: past})
+    else:
+        raise BundleError(f"`flotilla export` builds ONNX variants of `mlp` and `gpt` models; this bundle's model is "
+                          f"`{kind}`: serve it with `--set serve.runtime=torch`")
+    with warnings.catch_warnings(), _quiet("torch.onnx", "torch.export", "onnxscript"):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, str(path), input_names=names, output_names=outputs, dynamic_shapes=dynamic,
+                          dynamo=True, external_data=False, verbose=False, optimize=True)
+
+
+def quantize_int8(source: Path, target: Path) -> None:
+    """ONNX Runtime's dynamic quantization: int8 weights, activations quantized per batch as they come."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet("root", "onnxruntime"):  # its advice to pre-process first is a log line, not our doing
+        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
+
+
+@contextlib.contextmanager
+def _quiet(*loggers: str):
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in loggers]
+    for logger, _ in saved:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+def build_variants(bundle, batches: Iterable[pd.DataFrame], export, label_column: str | None,
+                   text_column: str | None) -> dict[str, dict[str, Any]]:
+    """Build `export.variants` of `bundle` into its directory, gate each against the torch model on
+    `batches` (the run's raw validation rows), measure every runtime's speed here, and record all
+    of it in `variants/variants.json`. A variant that fails its gate stays on disk, recorded with
+    the reason, and is never chosen to serve."""
+    out = Path(bundle.path) / VARIANTS_DIR
+    with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp:
+        built: dict[str, Path] = {}
+        fp32 = Path(tmp) / "onnx.onnx"
+        export_onnx(bundle, fp32)
+        if "onnx" in export.variants:
+            built["onnx"] = fp32
+        if "onnx-int8" in export.variants:
+            quantize_int8(fp32, Path(tmp) / "int8.onnx")
+            built["onnx-int8"] = Path(tmp) / "int8.onnx"
+        if out.exists():
+            shutil.rmtree(out)
+        for name, file in built.items():
+            (out / name).mkdir(parents=True)
+            shutil.move(str(file), out / name / ONNX_FILE)
+    variants = {name: bundle.with_runtime(name, check=False) for name in built}
+    records = _gate(bundle, variants, batches, export, label_column, text_column)
+    records["torch"] = {"speed": measure_speed(bundle)}
+    for name, variant in variants.items():
+        records[name]["speed"] = measure_speed(variant)
+        records[name]["file"] = f"{VARIANTS_DIR}/{name}/{ONNX_FILE}"
+        records[name]["bytes"] = (out / name / ONNX_FILE).stat().st_size
+    (out / VARIANTS_JSON).write_text(json.dumps(records, indent=1))
+    return records
+
+
+def _gate(bundle, variants: dict, batches: Iterable[pd.DataFrame], export, label_column, text_column
+          ) -> dict[str, dict[str, Any]]:
+    from flotilla.track._gate import BundleEvaluator
+
+    evaluators = {name: BundleEvaluator(b, label_column, text_column) for name, b in [("torch", bundle), *variants.items()]}
+    largest = dict.fromkeys(variants, 0.0)
+    for batch in batches:
+        for evaluator in evaluators.values():
+            evaluator.add(batch)
+        reference = _outputs(bundle, batch, label_column, text_column)
+        if reference is None:
+            continue
+        for name, variant in variants.items():
+            largest[name] = max(largest[name], float(np.max(np.abs(_outputs(variant, batch, label_column, text_column)
+                                                                    - reference), initial=0.0)))
+    task = bundle.task
+    metric = primary_metric(task)
+    base = evaluators["torch"].value()
+    records = {}
+    for name in variants:
+        value = evaluators[name].value()
+        if task == "classification":
+            drop = base - value
+            passed = drop <= export.max_accuracy_drop
+            rule = f"accuracy drop {drop * 100:.2f} points (at most {export.max_accuracy_drop * 100:g})"
+        else:
+            rise = value / base - 1 if base else float("inf")
+            passed = rise <= export.max_relative_increase
+            rule = f"{metric.name} {rise * 100:+.2f} % (at most +{export.max_relative_increase * 100:g} %)"
+        passed = passed and bool(np.isfinite(value))
+        what = "largest probability difference" if task != "regression" else "largest prediction difference"
+        on = f"{evaluators[name].count} validation tokens" if task == "lm" else f"{evaluators[name].rows} validation rows"
+        reason = f"{metric.name} {value:{metric.fmt}} vs torch's {base:{metric.fmt}} on {on}: {rule}; {what} {largest[name]:.2g}"
+        records[name] = {"passed": passed, "reason": reason, metric.name: value, f"torch_{metric.name}": base,
+                         "max_difference": largest[name], "rows": evaluators[name].rows}
+    return records
+
+
+@torch.inference_mode()
+def _outputs(bundle, batch: pd.DataFrame, label_column, text_column) -> np.ndarray | None:
+    """What the runtimes must agree on: class probabilities, predictions, or (language models) the
+    next-token probabilities of the batch's first windows."""
+    if bundle.task == "lm":
+        from flotilla.data import TOKENS, ByteWindows
+
+        windows = ByteWindows(text_column, bundle.schema.context)._transform_pandas(batch.head(8))[TOKENS]
+        if len(windows) == 0:
+            return None
+        tokens = torch.as_tensor(np.stack(windows.to_numpy()))[:, :-1]
+        return torch.softmax(bundle.model(tokens).float(), dim=-1).numpy()
+    out = bundle.predict_arrays(batch.drop(columns=[label_column]))
+    return out["probabilities"] if "probabilities" in out else out["predictions"].astype(np.float64)
+
+
+def measure_speed(bundle, seconds: float = 1.0) -> dict[str, Any]:
+    """This machine's speed for `bundle`: rows/s of 32-row batches and the median one-row latency
+    (tables), or tokens/s of a 64-token greedy generation (language models); `per_s` is the one
+    number `serve.runtime: auto` ranks by."""
+    if bundle.task == "lm":
+        bundle.generate("def ", max_tokens=4, temperature=0.0)
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            bundle.generate("def ", max_tokens=64, temperature=0.0)
+            runs.append(64 / (time.perf_counter() - start))
+        return {"per_s": statistics.median(runs), "unit": "tokens/s (64-token generation)"}
+    batch, one = bundle.example_rows(32), bundle.example_rows(1)
+    bundle.predict_arrays(batch)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 2:
+        bundle.predict_arrays(batch)
+        count += 32
+    rate = count / (time.perf_counter() - start)
+    latencies, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds / 2:
+        t = time.perf_counter()
+        bundle.predict_arrays(one)
+        latencies.append((time.perf_counter() - t) * 1000)
+    return {"per_s": rate, "unit": "rows/s (32-row batches)", "p50_ms_one_row": statistics.median(latencies)}
+
+
+# --------------------------------------------------------------------- registered versions
+class ExportOutcome:
+    def __init__(self, model: str, version: str | None, bundle_dir: Path, records: dict[str, dict[str, Any]]):
+        self.model, self.version, self.bundle_dir, self.records = model, version, bundle_dir, records
+
+    def describe(self) -> str:
+        where = f"{self.model} v{self.version}" if self.version else str(self.bundle_dir)
+        lines = [f"variants of {where}:"]
+        for name, r in self.records.items():
+            speed = r.get("speed", {})
+            rate = f"{speed.get('per_s', 0):,.0f} {speed.get('unit', '')}"
+            if name == "torch":
+                lines.append(f"  torch       {rate}")
+            else:
+                lines.append(f"  {name:<11} {rate}; gate {'passed' if r['passed'] else 'FAILED'}: {r['reason']}")
+        lines.append(f"serve.runtime=auto serves {choose_runtime(self.records, 'auto', where)}")
+        return "\n".join(lines)
+
+
+def export_model(reference: str, tracking_uri: str | None = None, config: str | None = None,
+                 overrides: list[str] = ()) -> ExportOutcome:
+    """Build, gate and measure the ONNX variants of a registered version (NAME@ALIAS, NAME/VERSION)
+    or of a bundle directory. A registered version's variants join it: its model's artifacts gain
+    the bundle's `variants/` directory, and the version a `flotilla.runtime.<name>` tag per
+    variant (passed or failed, and why). The validation rows come from the spec the version was
+    trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`)."""
+    from flotilla.bundle import load_bundle
+    from flotilla.data import prepare_data
+    from flotilla.runtime import ensure_ray
+    from flotilla.spec import load_spec
+
+    with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp:
+        registered = _registered(reference, tracking_uri, Path(tmp))
+        if registered is None:
+            bundle_dir = _bundle_directory(reference)
+            spec_file = config or _run_spec_file(bundle_dir)
+        else:
+            client, name, version, bundle_dir, relative, spec_file = registered
+            spec_file = config or spec_file
+        spec = load_spec(spec_file, list(overrides))
+        bundle = load_bundle(bundle_dir)
+        ensure_ray(spec)
+        prepared = prepare_data(spec)
+        schema = prepared.schema
+        batches = prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas")
+        records = build_variants(bundle, batches, spec.export, schema.label_column, schema.text_column)
+        if registered is None:
+            return ExportOutcome(reference, None, bundle_dir, records)
+        _publish(client, name, version, bundle_dir, relative, records)
+        return ExportOutcome(name, version, bundle_dir, records)
+
+
+def _registered(reference: str, tracking_uri: str | None, tmp: Path):
+    """(client, name, version, bundle dir, its path inside the model, the run's spec file) for
+    NAME@ALIAS or NAME/VERSION, downloaded into `tmp`; None for a path."""
+    if Path(reference).expanduser().exists():
+        return None
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+
+    from flotilla.errors import TrackingError
+    from flotilla.track import registry_client, resolve_reference
+    from flotilla.track._registry import _bundle_dir
+
+    client = registry_client(tracking_uri)
+    name, version = resolve_reference(client, reference, "flotilla export")
+    try:
+        found = client.get_model_version(name, version)
+        location = client.get_model_version_download_uri(name, version)
+        model = Path(download_artifacts(artifact_uri=location, dst_path=str(tmp / "model"), tracking_uri=client.tracking_uri))
+        spec_file = download_artifacts(run_id=found.run_id, artifact_path="spec.yaml", dst_path=str(tmp / "run"),
+                                       tracking_uri=client.tracking_uri)
+    except MlflowException as e:
+        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
+    bundle_dir = _bundle_dir(model, f"{name} v{version}")
+    if _model_id(found) is None:
+        raise TrackingError(f"{name} v{version} has no logged model to add variants to (source {found.source})")
+    return client, name, version, bundle_dir, bundle_dir.relative_to(model.resolve()).as_posix(), spec_file
+
+
+def _model_id(version) -> str | None:
+    """The logged model a version was registered from (MLflow 3 names it in the source)."""
+    source = version.source or ""
+    return version.model_id or (source.removeprefix("models:/") if source.startswith("models:/m-") else None)
+
+
+def _bundle_directory(reference: str) -> Path:
+    from flotilla.bundle import BUNDLE_FILES
+
+    path = Path(reference).expanduser().resolve()
+    bundle = path / "bundle" if (path / "bundle" / BUNDLE_FILES[1]).is_file() else path
+    missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
+    if missing:
+        raise BundleError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); give "
+                          "a run's bundle directory, NAME@ALIAS or NAME/VERSION")
+    return bundle
+
+
+def _run_spec_file(bundle_dir: Path) -> str:
+    """The spec its run recorded beside its checkpoints (`<run>/spec.yaml`)."""
+    for candidate in (bundle_dir.parent / "spec.yaml", bundle_dir.parent.parent / "spec.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    raise BundleError(f"{bundle_dir}: no spec.yaml of its run beside it to read the validation rows from; "
+                      "name the spec it was trained with: --config SPEC.yaml")
+
+
+def _publish(client, name: str, version: str, bundle_dir: Path, relative: str,
+             records: dict[str, dict[str, Any]]) -> None:
+    """The variants into the version's model; their verdicts into its tags and its run's metrics."""
+    from mlflow.entities import Metric
+
+    found = client.get_model_version(name, version)
+    client.log_model_artifacts(_model_id(found), str(bundle_dir / VARIANTS_DIR), artifact_path=f"{relative}/{VARIANTS_DIR}")
+    now = int(time.time() * 1000)
+    metrics = []
+    for variant, r in records.items():
+        speed = r.get("speed", {})
+        rate = f"{speed.get('per_s', 0):.0f} {speed.get('unit', '')}"
+        if variant == "torch":
+            tag = f"measured: {rate}"
+        else:
+            tag = f"{'passed' if r['passed'] else 'failed'}: {r['reason']}; {rate}"
+            metrics += [Metric(f"variant.{variant}.max_difference", r["max_difference"], now, 0),
+                        Metric(f"variant.{variant}.gate_passed", float(r["passed"]), now, 0)]
+        client.set_model_version_tag(name, version, f"flotilla.runtime.{variant}", tag[:5000])
+        if speed.get("per_s"):
+            metrics.append(Metric(f"variant.{variant}.per_s", speed["per_s"], now, 0))
+    client.set_model_version_tag(name, version, "flotilla.runtime.auto", choose_runtime(records, "auto", name))
+    client.log_batch(found.run_id, metrics=metrics)
