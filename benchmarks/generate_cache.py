@@ -8,6 +8,10 @@ One bundle, one process, the same prompts and seeds: tokens/s for `--tokens` new
 (`InferenceBundle.generate`) against `cache=False`, alternating, `--repeats` times each; the
 texts must be equal. Without `--bundle`, the model of `configs/pycode_gpt.yaml` with random
 weights: the speed does not depend on what the weights learned. Goal: >= 3x.
+
+Then batched decoding: `--batch` requests of 64 tokens (each prompt and its tokens within the
+context) decoded together (`generate_batch`, what a replica does with requests that arrive
+together) against the same requests one after the other (cached); the texts must be equal.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8, help="requests decoded together (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bundle = load_bundle(args.bundle) if args.bundle else spec_bundle(args.config)
@@ -70,6 +75,28 @@ def main() -> None:
     print(f"| recompute the context each token (`cache=False`) | {uncached:.0f} | 1.00x |")
     print(f"| KV cache (default) | {cached:.0f} | {cached / uncached:.2f}x |")
     print(f"texts equal in all {args.repeats} repeats; goal >= 3x: {'met' if cached / uncached >= 3 else 'NOT met'}")
+
+    starts = ["def main(", "import os\n", "class Node:\n    ", "x = [", "for i in range(", "# a comment\n",
+              "return {", "if __name__ =="]
+    requests = [{"prompt": starts[i % len(starts)], "max_tokens": 64, "temperature": 0.8, "top_k": 40, "seed": i}
+                for i in range(args.batch)]
+    bundle.generate_batch(requests[:2])
+    together, alone = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        one_by_one = [bundle.generate(**r) for r in requests]
+        alone.append(64 * len(requests) / (time.perf_counter() - start))
+        start = time.perf_counter()
+        batched = bundle.generate_batch(requests)
+        together.append(64 * len(requests) / (time.perf_counter() - start))
+        assert batched == one_by_one, "a request decoded together wrote another text than alone"
+    a, t = statistics.median(alone), statistics.median(together)
+    print()
+    print(f"| {args.batch} requests of 64 tokens | tokens/s (median) | ratio |")
+    print("|---|---:|---:|")
+    print(f"| one after the other (KV cache) | {a:.0f} | 1.00x |")
+    print(f"| decoded together (`generate_batch`) | {t:.0f} | {t / a:.2f}x |")
+    print(f"texts equal in all {args.repeats} repeats")
 
 
 if __name__ == "__main__":

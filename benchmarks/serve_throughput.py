@@ -40,8 +40,10 @@ from flotilla.spec import load_spec  # noqa: E402
 CONCURRENCY = (1, 8, 32)
 
 
-async def drive(url: str, rows: list, concurrency: int, seconds: float, warmup_s: float = 2.0) -> dict:
-    """Keep `concurrency` requests in flight; return req/s and latency percentiles (ms)."""
+async def drive(url: str, rows: list, concurrency: int, seconds: float, warmup_s: float = 2.0,
+                unwrap: bool = False) -> dict:
+    """Keep `concurrency` requests in flight; return req/s and latency percentiles (ms). A request
+    carries one of `rows`, or with `unwrap` one item of `rows` that is itself a list of rows."""
     import aiohttp
 
     latencies: list[float] = []
@@ -58,7 +60,7 @@ async def drive(url: str, rows: list, concurrency: int, seconds: float, warmup_s
                 t0 = time.perf_counter()
                 if t0 >= stop_at:
                     return
-                body = {"instances": [rows[k % len(rows)]]}
+                body = {"instances": rows[k % len(rows)] if unwrap else [rows[k % len(rows)]]}
                 k += concurrency
                 async with session.post(url, json=body) as r:
                     await r.read()

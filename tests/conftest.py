@@ -206,5 +206,5 @@ def tables_champion(digits_champion) -> TrainedModel:
     from tests.integration._helpers import tables_spec
 
     store = digits_champion.store
-    spec = tables_spec(store)
+    spec = tables_spec(store, overrides=["export.after_training=true"])  # its ONNX variants too
     return TrainedModel(spec, run_training(spec), store)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -32,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
 from flotilla.data._columns import numeric_matrix
 from flotilla.errors import BundleError
-from flotilla.models import build_model
+from flotilla.models import GPT, build_model
 from flotilla.spec import CustomModelSpec, ModelSpec
 
 WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
@@ -220,29 +221,66 @@ class InferenceBundle:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         logits_of = self.next_logits(cache)
         ids = ByteWindows.encode(prompt) or [ord("\n")]
-        pending = b""
-        for _ in range(max_tokens):
-            logits = logits_of(ids)
-            if temperature <= 0:
-                nxt = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                    logits = logits.masked_fill(logits < kth, -math.inf)
-                nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-            ids.append(nxt)
-            pending += bytes([nxt])
-            try:
-                piece = pending.decode("utf-8")
-            except UnicodeDecodeError:
-                if len(pending) < 4:
-                    continue
-                piece = pending.decode("utf-8", errors="replace")
-            pending = b""
-            yield piece
-        if pending:
-            yield pending.decode("utf-8", errors="replace")
+
+        def tokens() -> Iterator[int]:
+            for _ in range(max_tokens):
+                ids.append(_sample(logits_of(ids), temperature, top_k, generator))
+                yield ids[-1]
+
+        yield from _pieces(tokens())
+
+    def batchable(self, requests: list[dict[str, Any]]) -> bool:
+        """Whether `generate_batch` decodes these requests together (see there)."""
+        if len(requests) < 2 or not isinstance(self.model, GPT):
+            return False
+        longest = max(len(ByteWindows.encode(r["prompt"]) or [0]) for r in requests)
+        steps = max(int(r.get("max_tokens", GENERATE_DEFAULTS["max_tokens"])) for r in requests)
+        return longest + steps - 1 <= self.schema.context
+
+    @torch.inference_mode()
+    def generate_batch(self, requests: list[dict[str, Any]], stops: list[threading.Event] | None = None) -> list[str]:
+        """Several generations decoded together, one forward pass per token for all of them, each
+        the text `generate(**request)` writes alone (a request: `prompt` and `generate`'s keyword
+        arguments). The prompts are left-padded (`GPT.step` with `pads`). Where that does not
+        apply, one after the other: a model that cannot pad (an ONNX variant), or a prompt plus
+        its new tokens that would not fit the context together (the window would move).
+
+        A request whose event in `stops` is set ends after its current token, with the text so
+        far; when every one has, no more forward passes run."""
+        if self.task != "lm":
+            raise BundleError("generate() needs a language-model (gpt) bundle; use predict()")
+        stops = stops or [threading.Event() for _ in requests]
+        encoded = [ByteWindows.encode(r["prompt"]) or [ord("\n")] for r in requests]
+        longest = max(map(len, encoded))
+        steps = max(int(r.get("max_tokens", GENERATE_DEFAULTS["max_tokens"])) for r in requests)
+        if not self.batchable(requests):
+            texts = []
+            for request, stop in zip(requests, stops):
+                pieces = []
+                for piece in self.generate_stream(**request):
+                    pieces.append(piece)
+                    if stop.is_set():
+                        break
+                texts.append("".join(pieces))
+            return texts
+        pads = torch.tensor([longest - len(ids) for ids in encoded], device=self.device)
+        tokens = torch.tensor([[0] * (longest - len(ids)) + ids for ids in encoded], device=self.device)
+        cache = self.model.new_cache(batch=len(requests))
+        samplers = [(int(r.get("max_tokens", GENERATE_DEFAULTS["max_tokens"])), float(r.get("temperature", 1.0)),
+                     r.get("top_k"), torch.Generator().manual_seed(r["seed"]) if r.get("seed") is not None else None)
+                    for r in requests]
+        out: list[list[int]] = [[] for _ in requests]
+        logits = self.model.step(tokens, cache, pads)[:, -1].float().cpu()
+        for step in range(steps):
+            for i, (n, temperature, top_k, generator) in enumerate(samplers):
+                if step < n and not (step and stops[i].is_set()):
+                    out[i].append(_sample(logits[i], temperature, top_k, generator))
+            if all(stop.is_set() for stop in stops):
+                break
+            if step + 1 < steps:  # a row that is done repeats its last token; its logits go unread
+                last = torch.tensor([[ids[-1] if ids else 0] for ids in out], device=self.device)
+                logits = self.model.step(last, cache, pads)[:, -1].float().cpu()
+        return ["".join(_pieces(ids)) for ids in out]
 
     def generate(self, prompt: str, **kwargs) -> str:
         return "".join(self.generate_stream(prompt, **kwargs))
@@ -274,6 +312,34 @@ class InferenceBundle:
         if "probabilities" in out:
             result["probabilities"] = out["probabilities"]
         return result
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
+    """The next token from one row of logits: greedy at temperature 0, else sampled (top-k first)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
+def _pieces(tokens: Iterable[int]) -> Iterator[str]:
+    """Byte tokens as text pieces, each ending on a UTF-8 boundary (U+FFFD for bytes that never form one)."""
+    pending = b""
+    for token in tokens:
+        pending += bytes([token])
+        try:
+            piece = pending.decode("utf-8")
+        except UnicodeDecodeError:
+            if len(pending) < 4:
+                continue
+            piece = pending.decode("utf-8", errors="replace")
+        pending = b""
+        yield piece
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
 
 
 def read_bundle_metrics(fs, path: str) -> dict[str, Any]:

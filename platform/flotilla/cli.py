@@ -279,6 +279,8 @@ def _train(args) -> int:
     print(f"run {outcome.run_name}: {primary_metric(task).format(m[primary_metric(task).name])} after {m['epoch']} "
           f"epochs; bundle at {outcome.bundle_path}")
     _print_tracking("MLflow run", outcome.mlflow_run_id, outcome.tracking_uri, outcome.registration)
+    if outcome.exported is not None:
+        print(outcome.exported.describe())
     return 0
 
 

@@ -329,12 +329,13 @@ class ExportOutcome:
 
 
 def export_model(reference: str, tracking_uri: str | None = None, config: str | None = None,
-                 overrides: list[str] = ()) -> ExportOutcome:
+                 overrides: list[str] = (), *, spec=None, prepared=None) -> ExportOutcome:
     """Build, gate and measure the ONNX variants of a registered version (NAME@ALIAS, NAME/VERSION)
     or of a bundle directory. A registered version's variants join it: its model's artifacts gain
     the bundle's `variants/` directory, and the version a `flotilla.runtime.<name>` tag per
     variant (passed or failed, and why). The validation rows come from the spec the version was
-    trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`)."""
+    trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`); the end of a
+    training run passes its own `spec` and `prepared` data."""
     from flotilla.bundle import load_bundle
     from flotilla.data import prepare_data
     from flotilla.runtime import ensure_ray
@@ -344,14 +345,16 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
         registered = _registered(reference, tracking_uri, Path(tmp))
         if registered is None:
             bundle_dir = _bundle_directory(reference)
-            spec_file = config or _run_spec_file(bundle_dir)
+            spec_file = config or (None if spec is not None else _run_spec_file(bundle_dir))
         else:
             client, name, version, bundle_dir, relative, spec_file = registered
             spec_file = config or spec_file
-        spec = load_spec(spec_file, list(overrides))
+        if spec is None:
+            spec = load_spec(spec_file, list(overrides))
         bundle = load_bundle(bundle_dir)
-        ensure_ray(spec)
-        prepared = prepare_data(spec)
+        if prepared is None:
+            ensure_ray(spec)
+            prepared = prepare_data(spec)
         schema = prepared.schema
         batches = prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas")
         records = build_variants(bundle, batches, spec.export, schema.label_column, schema.text_column)

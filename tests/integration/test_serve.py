@@ -519,6 +519,26 @@ def test_streaming_generation_matches_the_whole_text(served):
     assert re.fullmatch(r"\d+", whole.headers["X-Model-Version"])
 
 
+def test_whole_texts_that_arrive_together_are_decoded_together_each_as_it_would_be_alone(served, gpt_champion):
+    url = served["generator"].url + "/generate"
+    bundle = load_bundle(gpt_champion.outcome.bundle_path)
+    asks = [{"prompt": p, "max_tokens": 24, "temperature": 0.8, "top_k": 20, "seed": i}
+            for i, p in enumerate(["def ", "import os\n", "class A:", "x = ", "return ", "# ", "for i in", "if "])]
+    alone = [bundle.generate(**a) for a in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        for _ in range(3):
+            answers = list(pool.map(lambda a: post(url, a), asks))
+            assert [r.status_code for r in answers] == [200] * len(asks)
+            assert [r.json()["text"] for r in answers] == alone
+
+    def shared():  # some batch held more than one request (Ray exports the histogram's buckets exactly)
+        text = metrics_text()
+        alone = metric_sum(text, "ray_flotilla_batch_size_bucket", model="pycode-gpt", le="1.0")
+        return metric_sum(text, "ray_flotilla_batch_size_count", model="pycode-gpt") > alone
+
+    wait_for(shared, 90, "a generator batch of more than one request in Ray's Prometheus export", interval_s=3)
+
+
 def test_a_full_queue_answers_503_and_a_slow_request_504(served):
     from flotilla.serve import deploy, plan_deployment
 

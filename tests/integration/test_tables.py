@@ -62,6 +62,18 @@ def test_a_table_with_categories_and_gaps_trains_as_well_as_the_same_table_clean
     out = bundle.predict(odd)
     assert len(out["predictions"]) == 2 and np.isfinite(out["probabilities"]).all()
 
+    # `export.after_training`: the run built its ONNX variants, gated and registered with the version.
+    tags = client.get_model_version("tables", outcome.registration.version).tags
+    assert tags["flotilla.runtime.onnx"].startswith("passed: val_accuracy"), tags
+    assert outcome.exported.records["onnx"]["max_difference"] < 1e-4
+    # The same raw rows, categories and gaps included, through ONNX Runtime (preprocessing is the bundle's).
+    from flotilla.track import load_registered_bundle
+
+    onnx = load_registered_bundle(client, "tables", outcome.registration.version, runtime="onnx")
+    assert onnx.runtime == "onnx"
+    assert np.abs(np.asarray(onnx.predict(odd)["probabilities"]) - np.asarray(out["probabilities"])).max() < 1e-4
+    assert onnx.predict(test.drop(columns=["answer"]))["predictions"] == raw
+
 
 def test_a_diverging_run_stops_at_the_first_loss_that_is_not_a_number_and_registers_nothing(ray_cluster, tmp_path):
     spec = tables_spec(tmp_path, overrides=["train.lr=1e30", "train.grad_clip=0", "train.epochs=3"])

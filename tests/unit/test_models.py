@@ -151,3 +151,27 @@ def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_pat
         (bundle / "model.json").write_text(json.dumps({**meta, "model": model}))
         with pytest.raises(BundleError, match=reason):
             load_bundle(bundle)
+
+
+def test_generations_decoded_together_write_what_each_writes_alone():
+    """Left-padded prompts of different lengths, different settings, one forward pass per token."""
+    from flotilla.bundle import InferenceBundle
+    from flotilla.data import DataSchema
+
+    torch.manual_seed(0)
+    schema = DataSchema(task="lm", vocab_size=256, context=48, text_column="text")
+    bundle = InferenceBundle(path=None, model=GPT(256, 48, 2, 2, 16).eval(), model_spec={}, schema=schema,
+                             feature_steps=[], classes=None, metrics={})
+    requests = [{"prompt": "def main(", "max_tokens": 30, "temperature": 0.0},
+                {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 3},
+                {"prompt": "import os, sys\n", "max_tokens": 25, "temperature": 0.7, "top_k": 20, "seed": 1}]
+    alone = [bundle.generate(**r) for r in requests]
+    assert bundle.generate_batch(requests) == alone
+    calls = []
+    step = bundle.model.step
+    bundle.model.step = lambda *a, **k: calls.append(a[0].shape) or step(*a, **k)
+    bundle.generate_batch(requests)
+    assert calls[0] == (3, 15) and len(calls) == 30 and all(shape == (3, 1) for shape in calls[1:])
+    # Past the context together (15 + 40 > 48): one after the other, the same texts as alone.
+    longer = [{**r, "max_tokens": 40} for r in requests]
+    assert bundle.generate_batch(longer) == [bundle.generate(**r) for r in longer]

@@ -57,18 +57,23 @@ class CausalSelfAttention(nn.Module):
         )
         return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
-    def step(self, x: torch.Tensor, extend: Extend) -> torch.Tensor:
+    def step(self, x: torch.Tensor, extend: Extend, pads: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` (eval) for tokens that follow those whose keys and values `extend` holds. A new
-        token attends to every earlier one and to the new ones up to itself."""
+        token attends to every earlier one and to the new ones up to itself; with `pads` (batch,),
+        not to the first `pads[i]` tokens of row i (left padding; a padding token sees itself)."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         k, v = extend(k, v)
-        if t == 1 and not torch.compiler.is_exporting():  # a decode step sees everything: no mask (an
-            # exported graph serves any number of new tokens, so it keeps the mask)
+        if t == 1 and pads is None and not torch.compiler.is_exporting():  # a decode step sees
+            # everything: no mask (an exported graph serves any number of new tokens: it keeps the mask)
             y = F.scaled_dot_product_attention(q, k, v)
         else:
             past = k.shape[2] - t
-            seen = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(past, past + t, device=x.device)[:, None]
+            keys, queries = torch.arange(k.shape[2], device=x.device), torch.arange(past, past + t, device=x.device)
+            seen = keys[None, :] <= queries[:, None]
+            if pads is not None:
+                seen = seen[None] & ((keys[None, None, :] >= pads[:, None, None]) | (keys[None, None, :] == queries[None, :, None]))
+                seen = seen[:, None]  # (batch, 1, new tokens, tokens): one mask for every head
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
@@ -87,8 +92,8 @@ class Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
-    def step(self, x: torch.Tensor, extend: Extend) -> torch.Tensor:
-        x = x + self.attn.step(self.ln1(x), extend)
+    def step(self, x: torch.Tensor, extend: Extend, pads: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn.step(self.ln1(x), extend, pads)
         return x + self.mlp(self.ln2(x))
 
 
@@ -129,22 +134,32 @@ class GPT(nn.Module):
         heads = self.blocks[0].attn.heads
         return KVCache(len(self.blocks), batch, heads, self.context, self.tok.embedding_dim // heads, self.head.weight)
 
-    def step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: KVCache, pads: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `tokens` (batch, new tokens) that follow the ones in `cache` (eval: no dropout),
-        whose keys and values join the cache. Positions continue from the cache's length."""
+        whose keys and values join the cache. Positions continue from the cache's length.
+
+        Sequences of different lengths decode together left-padded: row i's first `pads[i]`
+        tokens are padding, which nothing attends to and which positions do not count, so each
+        row's logits are the ones it would get alone."""
         start, t = cache.length, tokens.shape[1]
         if start + t > self.context:
             raise ValueError(f"{start} cached + {t} new tokens exceed the context of {self.context}")
-        logits = self.step_with(tokens, start, [cache.extend(i, start) for i in range(len(self.blocks))])
+        logits = self.step_with(tokens, start, [cache.extend(i, start) for i in range(len(self.blocks))], pads)
         cache.length = start + t
         return logits
 
-    def step_with(self, tokens: torch.Tensor, start: int, extends: list[Extend]) -> torch.Tensor:
+    def step_with(self, tokens: torch.Tensor, start: int, extends: list[Extend],
+                  pads: torch.Tensor | None = None) -> torch.Tensor:
         """`step` with each layer's cache given as a function (`Extend`): the ONNX export passes
         ones that concatenate, so the graph takes and returns the cache as tensors."""
-        x = self.tok(tokens) + self.pos.weight[start:start + tokens.shape[1]]
+        t = tokens.shape[1]
+        if pads is None:
+            positions = self.pos.weight[start:start + t]
+        else:
+            positions = self.pos((torch.arange(start, start + t, device=tokens.device)[None, :] - pads[:, None]).clamp(min=0))
+        x = self.tok(tokens) + positions
         for block, extend in zip(self.blocks, extends):
-            x = block.step(x, extend)
+            x = block.step(x, extend, pads)
         return self.head(self.ln_f(x))
 
 

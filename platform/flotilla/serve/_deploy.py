@@ -42,6 +42,7 @@ class DeploymentPlan:
             traffic=self.traffic, aliases=self.aliases, shadow=self.shadow,
             max_batch_size=self.serve.batching.max_batch_size,
             batch_wait_timeout_s=self.serve.batching.batch_wait_timeout_s,
+            generate_wait_s=self.serve.batching.generate_wait_s,
         ).model_dump(mode="json")
 
     def describe(self) -> str:

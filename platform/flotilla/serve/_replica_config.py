@@ -30,6 +30,7 @@ class ReplicaConfig(_Strict):
     shadow: Optional[ShadowTarget] = None
     max_batch_size: int = Field(ge=1)
     batch_wait_timeout_s: float = Field(ge=0)
+    generate_wait_s: float = Field(0.005, ge=0)
 
 
 class ReplicaLimits(_Strict):

@@ -155,7 +155,8 @@ class _ModelServer:
         split = TrafficSplit(config.traffic)
         if hasattr(self, "_forward"):
             self._forward.set_max_batch_size(config.max_batch_size)
-            self._forward.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+            self._forward.set_batch_wait_timeout_s(
+                config.generate_wait_s if self.task_kind == "generator" else config.batch_wait_timeout_s)
         self.max_batch = config.max_batch_size
         self.bundles = {v: b for v, b in bundles.items() if v in wanted}
         self.split, self.aliases, self.shadow = split, config.aliases, config.shadow
@@ -282,6 +283,14 @@ def _check_finite(out: dict[str, list]) -> None:
                              "its values are far outside the data it was trained on") for i in rows[:20]]
         raise ApiError(422, f"instances {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}: the model's "
                        "output is not a finite number; their values are far outside the data it was trained on", fields)
+
+
+def _by_version(items: list[tuple]) -> dict[str, list[int]]:
+    """The positions of a batch's items (version first), by version."""
+    by_version: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        by_version.setdefault(item[0], []).append(i)
+    return by_version
 
 
 def bundle_columns(bundle) -> set[str]:
@@ -474,10 +483,7 @@ class Classifier(_ModelServer):
 
     async def _forward_versions(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
         results: list[dict[str, list] | None] = [None] * len(items)
-        by_version: dict[str, list[int]] = {}
-        for i, (version, _, _) in enumerate(items):
-            by_version.setdefault(version, []).append(i)
-        for version, idx in by_version.items():
+        for version, idx in _by_version(items).items():
             bundle = items[idx[0]][1]
             parts = [items[i][2] for i in idx]
             rows = np.concatenate(parts) if isinstance(parts[0], np.ndarray) else pd.concat(parts, ignore_index=True)
@@ -566,25 +572,39 @@ class Generator(_ModelServer):
         return await self.answer(request, handle)
 
     async def _generate(self, bundle, version: str, prompt: str, kwargs: dict) -> str:
-        """The whole text, generated in a thread that stops after its current token once this
-        request is over: answered, timed out (504) or cancelled because its client went away."""
+        """The whole text, decoded together with the requests that arrived with it (`_forward`);
+        its generation stops after the current token once this request is over: answered, timed
+        out (504) or cancelled because its client went away."""
         stop = threading.Event()
-
-        def run() -> str:
-            pieces = []
-            try:
-                for piece in bundle.generate_stream(prompt, **kwargs):
-                    pieces.append(piece)
-                    if stop.is_set():
-                        break
-            finally:
-                self._count_tokens(version, len(pieces))
-            return "".join(pieces)
-
         try:
-            return await asyncio.to_thread(run)
+            return await self._forward((version, bundle, ({"prompt": prompt, **kwargs}, stop)))
         finally:
             stop.set()
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, max_concurrent_batches=64)
+    async def _forward(self, items: list[tuple[str, Any, tuple[dict, threading.Event]]]) -> list[str]:
+        """`@serve.batch` groups the requests that arrive together, and each group of one version
+        decodes in one pass per token (`InferenceBundle.generate_batch`) in a thread of its own: a
+        request that arrives while others generate starts at once instead of waiting for them.
+        Requests that cannot decode together (`batchable`) run side by side, a thread each."""
+        results: list[str] = [""] * len(items)
+        for version, idx in _by_version(items).items():
+            bundle = items[idx[0]][1]
+            requests, stops = [items[i][2][0] for i in idx], [items[i][2][1] for i in idx]
+            start = time.perf_counter()
+            if bundle.batchable(requests):
+                texts = await asyncio.to_thread(bundle.generate_batch, requests, stops)
+            else:  # each in a thread of its own, as they would run alone
+                texts = await asyncio.gather(*(asyncio.to_thread(bundle.generate_batch, [r], [s])
+                                               for r, s in zip(requests, stops)))
+                texts = [t[0] for t in texts]
+            tags = {"model": self.model_name, "version": version}
+            self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
+            self.m_batch.observe(len(idx), tags=tags)
+            self._count_tokens(version, sum(len(t) for t in texts))
+            for i, text in zip(idx, texts):
+                results[i] = text
+        return results
 
     def _count_tokens(self, version: str, count: int) -> None:
         if count:  # Ray's counters take only positive increments

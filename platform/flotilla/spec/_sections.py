@@ -337,6 +337,10 @@ class ExportSpec(_Section):
         0.02, description="A language model's (perplexity) or regressor's (RMSE) variant fails its gate when its "
         "validation metric is above the torch model's by more than this fraction (0.02: 2 %).",
     )
+    after_training: bool = Field(
+        False, description="Build, gate and time the variants at the end of `flotilla train`, once the version is "
+        "registered (as `flotilla export --model NAME/VERSION` would, on the run's own validation rows).",
+    )
 
 
 # ------------------------------------------------------------------------ cost

@@ -50,6 +50,13 @@ class BatchingSpec(_Section):
         description="How long a group of requests waits for more before it queues for the model. 0 adds no "
         "latency: requests that arrive while the model is busy merge into its next forward pass anyway.",
     )
+    generate_wait_s: float = Field(
+        0.005,
+        ge=0,
+        description="Generators: how long a whole-text request waits for others to decode with (one forward pass "
+        "per token for all of them). A generation takes far longer; a request that comes later starts a batch of "
+        "its own at once instead of waiting for a running one.",
+    )
 
 
 class ReplicaSpec(_Section):

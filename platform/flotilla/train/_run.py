@@ -51,6 +51,7 @@ class TrainingOutcome:
     tracking_uri: str | None = None
     registration: Any = None  # flotilla.track.Registration when the bundle was registered
     resources: ResourceUse | None = None  # what the workers held while training, and its cost
+    exported: Any = None  # flotilla.export.ExportOutcome with `export.after_training`
 
 
 def check_cluster_fits(spec: RunSpec) -> None:
@@ -178,6 +179,12 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
         with local_copy(fs, bundle_fs_path) as local_bundle:
             outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
+        if spec.export.after_training and outcome.registration is not None and not in_trial:
+            from flotilla.export import export_model
+
+            r = outcome.registration
+            outcome.exported = export_model(f"{r.model_name}/{r.version}", tracking_uri=tracker.uri, spec=spec,
+                                            prepared=prepared)
     return outcome
 
 
