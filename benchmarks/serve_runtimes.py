@@ -1,6 +1,6 @@
 """Serving by runtime: the same registered model served by torch, ONNX and int8 ONNX, one run.
 
-    python benchmarks/serve_runtimes.py             # ~5 minutes on 2 cores; run it alone
+    python benchmarks/serve_runtimes.py             # ~3 minutes on 2 cores; run it alone
 
 The model of benchmarks/serve_throughput.py (a wide MLP on digits, one epoch), registered in a
 temporary store; `flotilla export` builds and gates its variants; then, for each of
