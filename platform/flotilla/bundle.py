@@ -296,17 +296,10 @@ class InferenceBundle:
             if "prompt" not in frame.columns:
                 raise BundleError(f"a language-model bundle needs a `prompt` column; got {', '.join(map(str, frame.columns))}")
             p = {**GENERATE_DEFAULTS, **(params or {})}
-            texts = [
-                self.generate(
-                    str(prompt),
-                    max_tokens=int(p["max_tokens"]),
-                    temperature=float(p["temperature"]),
-                    top_k=int(p["top_k"]) or None,
-                    seed=None if int(p["seed"]) < 0 else int(p["seed"]),
-                )
-                for prompt in frame["prompt"]
-            ]
-            return pd.DataFrame({"text": texts})
+            settings = dict(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
+                            top_k=int(p["top_k"]) or None, seed=None if int(p["seed"]) < 0 else int(p["seed"]))
+            # the rows decode together where they can, each as it would alone
+            return pd.DataFrame({"text": self.generate_batch([{"prompt": str(x), **settings} for x in frame["prompt"]])})
         out = self.predict(frame)
         result = pd.DataFrame({"prediction": out["predictions"]})
         if "probabilities" in out:

@@ -172,6 +172,11 @@ def test_generations_decoded_together_write_what_each_writes_alone():
     bundle.model.step = lambda *a, **k: calls.append(a[0].shape) or step(*a, **k)
     bundle.generate_batch(requests)
     assert calls[0] == (3, 15) and len(calls) == 30 and all(shape == (3, 1) for shape in calls[1:])
+    # The MLflow pyfunc contract: a frame of prompts, one setting for all.
+    import pandas as pd
+
+    frame = bundle.predict_frame(pd.DataFrame({"prompt": ["def ", "x"]}), {"max_tokens": 10, "temperature": 0.9, "seed": 5})
+    assert frame["text"].tolist() == [bundle.generate(p, max_tokens=10, temperature=0.9, seed=5) for p in ("def ", "x")]
     # Past the context together (15 + 40 > 48): one after the other, the same texts as alone.
     longer = [{**r, "max_tokens": 40} for r in requests]
     assert bundle.generate_batch(longer) == [bundle.generate(**r) for r in longer]
