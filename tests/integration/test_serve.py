@@ -419,12 +419,10 @@ def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
 
     text = wait_for(exported, 90, "flotilla metrics in Ray's Prometheus export", interval_s=3)
     batches = metric_sum(text, "ray_flotilla_batch_size_count", version="1")
-    # Concurrent requests shared forwards: most batches held more than one (Ray exports the buckets
-    # exactly; its `_sum` comes from bucket midpoints).
-    alone = metric_sum(text, "ray_flotilla_batch_size_bucket", version="1", le="1.0")
-    print(f"classifier batches: {batches:.0f}, of one request: {alone:.0f}")
-    assert alone < batches / 2, (alone, batches)
     requests_in_batches = metric_sum(text, "ray_flotilla_batch_size_sum", version="1")
+    # Concurrent requests shared forwards. Ray exports a histogram's `_sum` from its bucket midpoints
+    # (a batch of one counts 0.5), so a mean above 1 needs many batches of several requests.
+    assert requests_in_batches / batches > 1.0
     assert metric_sum(text, "ray_flotilla_requests_total", version="1", status="200") >= 160
     # The shadow ran, but only in the replica's idle time: under 32 clients most mirrors were dropped
     # instead of doubling the model's work.
