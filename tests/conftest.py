@@ -50,10 +50,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """test_serve_haproxy.py runs last: HAProxy ingress is chosen when Ray starts, so the module
-    shuts the session's Ray down for one of its own, and every module after it would start the
-    session's Ray again (~15 s). Otherwise the order is the files' (a stable sort)."""
-    items.sort(key=lambda item: "test_serve_haproxy.py" in item.nodeid)
+    """test_serve_proxy.py runs last: the ingress is chosen when Ray starts, so the module shuts
+    the session's Ray (HAProxy ingress, the default) down for one with Serve's Python proxy, and
+    every module after it would start the session's Ray again (~15 s). Otherwise the order is the
+    files' (a stable sort)."""
+    items.sort(key=lambda item: "test_serve_proxy.py" in item.nodeid)
 
 
 _EXIT_STATUS = pytest.StashKey[int]()
@@ -67,7 +68,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     """A session that ran Ray ends its process here, with the session's exit status, instead of
     tearing down the interpreter: Ray's background threads can outlive `ray.shutdown()` (more so
-    once the session restarted Ray, as test_serve_haproxy does), and one that wakes while Python
+    once the session restarted Ray, as test_serve_proxy does), and one that wakes while Python
     finalizes crashes the process after every test passed (seen once: a segmentation fault after
     the summary). Everything the run reports is written by then."""
     status = config.stash.get(_EXIT_STATUS, None)
@@ -100,7 +101,7 @@ def _local_ray():
 
     Started once for the session (starting Ray costs ~10 s on 2 cores and the tests leave no state
     in it beyond finished runs under their own tmp directories); started again after a module
-    that needed a cluster of its own (test_serve_haproxy) shut it down.
+    that needed a cluster of its own (test_serve_proxy) shut it down.
     """
     import ray
 

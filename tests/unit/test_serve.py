@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -87,10 +88,32 @@ def test_serve_section_errors_name_the_field_and_the_fix():
     with pytest.raises(SpecError, match="positive sum"):
         load_spec("configs/digits.yaml", ["serve.traffic={champion: 0}"])
     assert load_spec("configs/digits.yaml").serve.host == "127.0.0.1"  # loopback unless configured otherwise
-    assert load_spec("configs/digits.yaml").serve.ingress == "proxy"
+    assert load_spec("configs/digits.yaml").serve.ingress == "auto"
     with pytest.raises(SpecError) as e:
         load_spec("configs/digits.yaml", ["serve.ingress=nginx"])
     assert "serve.ingress" in str(e.value) and "'proxy'" in str(e.value) and "'haproxy'" in str(e.value)
+
+
+def test_the_haproxy_wrapper_moves_the_all_interface_binds_to_loopback_and_keeps_serve_host(tmp_path):
+    """Ray's HAProxy configuration binds the stats page on `*:` and the exporter on `:`; the wrapper
+    rewrites both to 127.0.0.1 before HAProxy reads the file (here HAProxy's own config check, `-c`),
+    and leaves the HTTP frontend on whatever serve.host said."""
+    import subprocess
+
+    from flotilla.runtime import loopback_haproxy
+
+    wrapper = loopback_haproxy(tmp_path / "bin")
+    assert wrapper is not None and os.access(wrapper, os.X_OK)
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("defaults\n    mode http\n    timeout client 1s\n    timeout server 1s\n    timeout connect 1s\n"
+                      "frontend prometheus\n    bind :9101\n    http-request use-service prometheus-exporter\n"
+                      "frontend http_frontend\n    bind 0.0.0.0:8000\n    http-request return status 200\n"
+                      "listen stats\n  bind *:8404\n  stats enable\n")
+    checked = subprocess.run([str(wrapper), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    binds = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("bind")]
+    assert binds == ["bind 127.0.0.1:9101", "bind 0.0.0.0:8000", "bind 127.0.0.1:8404"]
+    assert loopback_haproxy(tmp_path / "bin") == wrapper  # written again only when it would change
 
 
 def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders():

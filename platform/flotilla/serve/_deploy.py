@@ -201,7 +201,9 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     notes = []
     was_running = _proxy_address() is not None  # then its ingress actors are up already
     serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
-    running = running_ingress(expect_haproxy=s.ingress == "haproxy", timeout_s=5.0 if was_running else 30.0)
+    # `auto` expects HAProxy where this process started the cluster (ensure_ray started it so).
+    expect_haproxy = s.ingress == "haproxy" or (s.ingress == "auto" and started_local_ray())
+    running = running_ingress(expect_haproxy=expect_haproxy, timeout_s=5.0 if was_running else 30.0)
     if running == "proxy" and s.ingress == "haproxy":
         how = ("this process started Ray before the deployment asked for HAProxy; start Ray with them set"
                if started_local_ray() else "start the cluster with them set (see cluster.yaml)")

@@ -97,15 +97,16 @@ class ServeSpec(_Section):
     sticky_header: str = Field(
         "X-User-Id", description="Requests carrying this header always reach the same version (stable hash of its value)."
     )
-    host: str = Field("127.0.0.1", description="Address Serve's HTTP proxy binds; 0.0.0.0 exposes it beyond this machine.")
-    port: int = Field(8000, gt=0, lt=65536, description="Port of Serve's HTTP proxy.")
-    ingress: Literal["proxy", "haproxy"] = Field(
-        "proxy",
-        description="How HTTP reaches the replicas. `proxy`: Ray Serve's Python proxy forwards each request to a "
-        "replica. `haproxy`: Ray Serve's HAProxy ingress: each replica answers HTTP itself on a port of its own and "
-        "HAProxy (shipped with Ray) balances them on `serve.port`; 2.4-2.9x the requests/s of `proxy` on 2 cores, but "
-        "the whole Ray cluster must start with it (Flotilla does that for the local cluster it starts; see README), "
-        "HAProxy's stats and metrics ports bind all interfaces, and a replica drains for 30 s when removed.",
+    host: str = Field("127.0.0.1", description="Address Serve's HTTP ingress binds; 0.0.0.0 exposes it beyond this machine.")
+    port: int = Field(8000, gt=0, lt=65536, description="Port of Serve's HTTP ingress.")
+    ingress: Literal["auto", "proxy", "haproxy"] = Field(
+        "auto",
+        description="How HTTP reaches the replicas. `haproxy`: Ray Serve's HAProxy ingress: each replica answers HTTP "
+        "itself on a port of its own and HAProxy (shipped with Ray) balances them on `serve.port`; 2.4-2.9x the "
+        "requests/s of `proxy` on 2 cores. The whole Ray cluster must start with it (Flotilla does for a local "
+        "cluster it starts, with HAProxy's stats and metrics ports on 127.0.0.1 and a 3 s drain; see README). "
+        "`proxy`: Ray Serve's Python proxy forwards each request to a replica. `auto`: `haproxy` on a local "
+        "cluster Flotilla starts, else whichever the cluster runs.",
     )
     route_prefix: Optional[str] = Field(
         None, description="URL prefix of the endpoint; null uses `/v1/models/<model>`."
