@@ -4,7 +4,7 @@
 
 The model of benchmarks/serve_throughput.py (a wide MLP on digits, one epoch), registered in a
 temporary store; `flotilla export` builds and gates its variants; then, for each of
-`serve.runtime` = torch, onnx, onnx-int8, one replica with one CPU behind Serve's default proxy:
+`serve.runtime` = torch, onnx, onnx-int8, one replica with one CPU behind the default ingress:
 p50 / p99 of one-row requests at c=1, and rows/s of 32-row requests at c=8. Beside it, the
 runtime's batched forward in this process (no HTTP) on 32 rows, with one thread.
 """
@@ -46,7 +46,7 @@ def main() -> None:
     from ray import serve
 
     from flotilla.export import export_model
-    from flotilla.serve import RUNTIME_HEADER, deploy, load_version, plan_deployment
+    from flotilla.serve import RUNTIME_HEADER, deploy, load_version, plan_deployment, running_ingress
     from flotilla.train import run_training
     from tests.services import free_port
 
@@ -72,6 +72,7 @@ def main() -> None:
             endpoint = deploy(plan_deployment(load_spec(ROOT / "configs" / "digits.yaml",
                                                         [*overrides, f"serve.runtime={runtime}"])))
             url = endpoint.url + "/predict"
+            ingress = running_ingress()
             import requests
 
             answered = requests.post(url, json={"instances": rows[:1]}, timeout=60).headers[RUNTIME_HEADER]
@@ -85,7 +86,7 @@ def main() -> None:
 
     lines = [
         f"Serving by runtime, {time.strftime('%Y-%m-%d')}, 2 cores; MLP {args.hidden} on digits (1 epoch); one "
-        f"replica with one CPU, Serve's proxy; {args.seconds:g} s per point",
+        f"replica with one CPU, ingress {ingress} (the default's choice); {args.seconds:g} s per point",
         "",
         "| serve.runtime | gate | p50 / p99 ms, 1 row, c=1 | rows/s, 32-row requests, c=8 | batched forward, 32 rows, in-process (rows/s) |",
         "|---|---|---:|---:|---:|",

@@ -12,7 +12,8 @@ All three use one torch thread. The model is a wide MLP on the digits sample, tr
 epoch and registered in a temporary MLflow store; (a) loads it from the registry, (b) and (c)
 from the same bundle. A load generator (aiohttp, 127.0.0.1) keeps `c` requests of one row
 in flight for `--seconds` at c = 1, 8, 32 and records every latency; then requests of `--batch`
-rows at c = 8.
+rows at c = 8. Each point is measured in `--rounds` turns, (a) and (b) alternating (then (a') and
+(b) again), so that this noisy machine's ups and downs fall on both.
 Goals: (a) >= 1.5 x (b) in throughput at c=32; (a) p50 at c=1 within 3 ms of (b);
 (a) with requests of `--batch` rows >= 0.7 x (c) in rows/s.
 """
@@ -74,22 +75,38 @@ async def drive(url: str, rows: list, concurrency: int, seconds: float, warmup_s
                         errors += 1
 
         await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return _summary(latencies, seconds, errors)
+
+
+def _summary(latencies: list[float], seconds: float, errors: int) -> dict:
     lat = np.asarray(latencies) * 1000
     return {
         "rps": len(lat) / seconds,
         "p50_ms": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
         "errors": errors,
+        "latencies_s": latencies,
     }
 
 
-def measure(url: str, rows: list, seconds: float, batch: int) -> dict:
-    """One-row requests at each of CONCURRENCY, then requests of `batch` rows at c=8 ("batched",
-    its rps in rows/s)."""
-    out: dict = {c: asyncio.run(drive(url, rows, c, seconds)) for c in CONCURRENCY}
+def measure(urls: list[str], rows: list, seconds: float, batch: int, rounds: int) -> list[dict]:
+    """For each of `urls`: one-row requests at each of CONCURRENCY, then requests of `batch` rows at
+    c=8 ("batched", its rps in rows/s). Each point is measured in `rounds` turns of seconds/rounds,
+    the servers taking turns, so that the machine's ups and downs fall on all of them alike."""
     batches = [rows[i:i + batch] for i in range(0, len(rows) - batch + 1, batch)]
-    batched = asyncio.run(drive(url, batches, 8, seconds, unwrap=True))
-    out["batched"] = {**batched, "rows_per_s": batched["rps"] * batch}
+    points = [(c, rows, c, False) for c in CONCURRENCY] + [("batched", batches, 8, True)]
+    out: list[dict] = [{} for _ in urls]
+    for key, items, c, unwrap in points:
+        parts: list[list[dict]] = [[] for _ in urls]
+        for _ in range(rounds):
+            for i, url in enumerate(urls):
+                parts[i].append(asyncio.run(drive(url, items, c, seconds / rounds, unwrap=unwrap)))
+        for i in range(len(urls)):
+            merged = _summary([x for p in parts[i] for x in p["latencies_s"]], seconds, sum(p["errors"] for p in parts[i]))
+            out[i][key] = {**merged, "rows_per_s": merged["rps"] * batch} if unwrap else merged
+    for result in out:
+        for point in result.values():
+            point.pop("latencies_s")
     return out
 
 
@@ -129,6 +146,7 @@ def main() -> None:
     parser.add_argument("--hidden", default="[4096,4096,4096]", help="MLP hidden sizes (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
     parser.add_argument("--batch", type=int, default=32, help="max batch size of (a) and the batch of (c)")
+    parser.add_argument("--rounds", type=int, default=4, help="turns each point is measured in, servers alternating")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_throughput.json"))
     args = parser.parse_args()
 
@@ -158,33 +176,33 @@ def main() -> None:
         port = free_port()
         plain = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "_plain_fastapi.py"), str(outcome.bundle_path),
                                   str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            wait_http(f"http://127.0.0.1:{port}/healthz")
-            b = measure(f"http://127.0.0.1:{port}/predict", rows, args.seconds, args.batch)
-            http_floor = asyncio.run(drive(f"http://127.0.0.1:{port}/noop", rows, 32, args.seconds))["rps"]
-        finally:
-            plain.terminate()
-            plain.wait(timeout=30)
-
         from ray import serve
 
         from flotilla.serve import running_ingress
 
-        # (a) as deployed by default: the local Ray that `deploy` starts has Serve's HAProxy ingress.
-        endpoint = deploy(plan)
-        ingress = running_ingress()
-        a = measure(endpoint.url + "/predict", rows, args.seconds, args.batch)
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz")
+            http_floor = asyncio.run(drive(f"http://127.0.0.1:{port}/noop", rows, 32, args.seconds))["rps"]
+            # (a) as deployed by default (the local Ray that `deploy` starts has Serve's HAProxy
+            # ingress), taking turns with (b).
+            endpoint = deploy(plan)
+            ingress = running_ingress()
+            a, b = measure([endpoint.url + "/predict", f"http://127.0.0.1:{port}/predict"], rows, args.seconds,
+                           args.batch, args.rounds)
+            serve.shutdown()
+            ray.shutdown()
+            # (a') the same endpoint behind Serve's Python proxy (a Ray started with it), with (b) again.
+            proxy_spec = spec.model_copy(update={"serve": spec.serve.model_copy(update={"ingress": "proxy"})})
+            endpoint = deploy(plan_deployment(proxy_spec))
+            a_proxy, b_again = measure([endpoint.url + "/predict", f"http://127.0.0.1:{port}/predict"], rows,
+                                       args.seconds, args.batch, args.rounds)
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            plain.terminate()
+            plain.wait(timeout=30)
 
-        # (a') the same endpoint behind Serve's Python proxy: a Ray started with it.
-        proxy_spec = spec.model_copy(update={"serve": spec.serve.model_copy(update={"ingress": "proxy"})})
-        endpoint = deploy(plan_deployment(proxy_spec))
-        a_proxy = measure(endpoint.url + "/predict", rows, args.seconds, args.batch)
-        serve.shutdown()
-        ray.shutdown()
-
-    report(args, params, single_c, items_c, ingress, a, a_proxy, b, http_floor)
+    report(args, params, single_c, items_c, ingress, a, a_proxy, b, b_again, http_floor)
 
 
 def _val_rows(spec):
@@ -212,48 +230,48 @@ def _single_forward_ms(bundle, rows) -> float:
 
 
 def report(args, params: int, single_ms: float, items_c: float, ingress: str | None, a: dict, a_proxy: dict,
-           b: dict, http_floor: float) -> None:
+           b: dict, b_again: dict, http_floor: float) -> None:
+    """(a) and (a') are each compared with the (b) measured in turns with it: b and b' below."""
     lines = [
         f"Serving, {time.strftime('%Y-%m-%d')}, 2 cores, one torch thread everywhere; MLP {args.hidden} on digits "
         f"({params / 1e6:.1f}M parameters; forward of 1 row {single_ms:.1f} ms, of {args.batch} rows "
-        f"{args.batch / items_c * 1000:.1f} ms); one replica with one CPU; {args.seconds:g} s per point. "
+        f"{args.batch / items_c * 1000:.1f} ms); one replica with one CPU. "
         f"(a) is the default deployment (`serve.ingress: auto`: {ingress} on the local Ray it starts)",
         "",
-        "| requests | (a) Flotilla, default | (a') Flotilla, proxy | (b) FastAPI | a / b | a' / b "
-        "| (a) p50 / p99 ms | (a') p50 / p99 ms | (b) p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| requests | (a) Flotilla, default | (b) FastAPI | a / b | (a') Flotilla, proxy | (b') FastAPI | a' / b' "
+        "| p50 / p99 ms: (a) | (b) | (a') | (b') |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in CONCURRENCY:
+
+    def rate(m: dict) -> float:
+        return m.get("rows_per_s", m["rps"])
+
+    for key in (*CONCURRENCY, "batched"):
+        label = f"1 row, c={key} (req/s)" if key != "batched" else f"{args.batch} rows, c=8 (rows/s)"
+        ms = [m[key] for m in (a, b, a_proxy, b_again)]
         lines.append(
-            f"| 1 row, c={c} (req/s) | {a[c]['rps']:.0f} | {a_proxy[c]['rps']:.0f} | {b[c]['rps']:.0f} "
-            f"| {a[c]['rps'] / b[c]['rps']:.2f} | {a_proxy[c]['rps'] / b[c]['rps']:.2f} "
-            f"| {a[c]['p50_ms']:.1f} / {a[c]['p99_ms']:.1f} | {a_proxy[c]['p50_ms']:.1f} / {a_proxy[c]['p99_ms']:.1f} "
-            f"| {b[c]['p50_ms']:.1f} / {b[c]['p99_ms']:.1f} |"
+            f"| {label} | {rate(ms[0]):.0f} | {rate(ms[1]):.0f} | {rate(ms[0]) / rate(ms[1]):.2f} | {rate(ms[2]):.0f} "
+            f"| {rate(ms[3]):.0f} | {rate(ms[2]) / rate(ms[3]):.2f} | "
+            + " | ".join(f"{m['p50_ms']:.1f} / {m['p99_ms']:.1f}" for m in ms) + " |"
         )
-    ab, pb, bb = a["batched"], a_proxy["batched"], b["batched"]
-    lines.append(
-        f"| {args.batch} rows, c=8 (rows/s) | {ab['rows_per_s']:.0f} | {pb['rows_per_s']:.0f} | {bb['rows_per_s']:.0f} "
-        f"| {ab['rows_per_s'] / bb['rows_per_s']:.2f} | {pb['rows_per_s'] / bb['rows_per_s']:.2f} "
-        f"| {ab['p50_ms']:.1f} / {ab['p99_ms']:.1f} | {pb['p50_ms']:.1f} / {pb['p99_ms']:.1f} "
-        f"| {bb['p50_ms']:.1f} / {bb['p99_ms']:.1f} |"
-    )
     lines += [
         "",
         f"(c) raw batched forward, {args.batch} rows a call: {items_c:.0f} rows/s. HTTP alone (the same FastAPI + "
         f"uvicorn answering one-row requests without the model, c=32): {http_floor:.0f} req/s, i.e. "
-        f"{1000 / http_floor:.2f} ms a request.",
+        f"{1000 / http_floor:.2f} ms a request. Each point: {args.seconds:g} s in {args.rounds} turns, a and b "
+        "alternating.",
         "",
     ]
-    for name, m in (("(a) the default", a), ("(a') serve.ingress=proxy", a_proxy)):
+    for name, m, base in (("(a) the default", a, b), ("(a') serve.ingress=proxy", a_proxy, b_again)):
         lines.append(
-            f"Goals for {name}: a/b at c=32 = {m[32]['rps'] / b[32]['rps']:.2f} (>= 1.5); p50 at c=1: a - b = "
-            f"{m[1]['p50_ms'] - b[1]['p50_ms']:+.1f} ms (<= 3); {args.batch}-row requests: a/c = "
+            f"Goals for {name}: a/b at c=32 = {m[32]['rps'] / base[32]['rps']:.2f} (>= 1.5); p50 at c=1: a - b = "
+            f"{m[1]['p50_ms'] - base[1]['p50_ms']:+.1f} ms (<= 3); {args.batch}-row requests: a/c = "
             f"{m['batched']['rows_per_s'] / items_c:.2f} (>= 0.7); "
-            f"errors {sum(r['errors'] for r in m.values())} (b: {sum(r['errors'] for r in b.values())})."
+            f"errors {sum(r['errors'] for r in m.values())} (b: {sum(r['errors'] for r in base.values())})."
         )
     print("\n" + "\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"ingress": ingress, "a": a, "a_proxy": a_proxy, "b": b,
+    Path(args.out).write_text(json.dumps({"ingress": ingress, "a": a, "a_proxy": a_proxy, "b": b, "b_again": b_again,
                                           "c_rows_per_s": items_c, "http_floor_rps": http_floor, "params": params,
                                           "single_forward_ms": single_ms, "args": vars(args)}, indent=1))
 
