@@ -67,6 +67,14 @@ def own_ray_processes(prefix: str) -> list:
     return found
 
 
+def haproxy_processes() -> list:
+    """Serve's HAProxy processes on this machine (children of its HAProxyManager actors)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
+
+
 def plant_code(uri: str, directory: Path, model: str = "digits", version: str = "1") -> tuple[str, Path]:
     """What anyone with write access to the registry at `uri` can do: register a new version of
     `model` made of `version`'s files, its pyfunc code extended to write a marker file whenever it

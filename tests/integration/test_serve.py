@@ -26,7 +26,8 @@ import requests
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
 from tests.conftest import GPT_TEST
-from tests.integration._helpers import ROOT, digits_spec, digits_val_rows, messy_table, store_uri, tables_spec
+from tests.integration._helpers import (ROOT, digits_spec, digits_val_rows, haproxy_processes, messy_table, store_uri,
+                                        tables_spec)
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -399,9 +400,7 @@ def test_the_default_ingress_is_haproxy_and_every_port_it_opens_is_on_localhost(
 
     assert served["digits"].serve.ingress == "auto" and running_ingress() == "haproxy"
     assert not (HAPROXY_ENV.keys() | {DRAIN_ENV, HAPROXY_BINARY_ENV}) & os.environ.keys()  # Ray's processes got them
-    haproxies = [p for p in psutil.process_iter(["name", "cmdline"])
-                 if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
-    assert haproxies, "no HAProxy process found"
+    assert haproxy_processes(), "no HAProxy process found"
     listening: dict[int, set] = {}
     for c in psutil.net_connections("tcp"):
         if c.status == psutil.CONN_LISTEN:

@@ -20,16 +20,10 @@ import pytest
 import requests
 
 from flotilla.bundle import load_bundle
-from tests.integration._helpers import digits_spec, digits_val_rows
+from tests.integration._helpers import digits_spec, digits_val_rows, haproxy_processes
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def haproxies() -> list[psutil.Process]:
-    """Serve's HAProxy processes on this machine (children of its HAProxyManager actors)."""
-    return [p for p in psutil.process_iter(["name", "cmdline"])
-            if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def proxy_endpoint(digits_champion, tmp_path_factory):
         ray.shutdown()
     # HAProxy is a child of Serve's HAProxyManager actor, outside Ray's own process tree: it goes
     # with the cluster (it holds serve.port).
-    _, alive = psutil.wait_procs(haproxies(), timeout=15)
+    _, alive = psutil.wait_procs(haproxy_processes(), timeout=15)
     for p in alive:
         p.kill()
     assert not alive, f"HAProxy outlived the cluster: {[p.pid for p in alive]}"
@@ -73,7 +67,7 @@ def _listening(port_filter) -> dict[int, str]:
 def test_the_proxy_answers_like_the_bundle_on_localhost_and_holds_under_load(proxy_endpoint):
     from flotilla.serve import VERSION_HEADER, running_ingress
 
-    assert running_ingress() == "proxy" and not haproxies()
+    assert running_ingress() == "proxy" and not haproxy_processes()
     endpoint, spec = proxy_endpoint["endpoint"], proxy_endpoint["spec"]
     assert endpoint.url.startswith(f"http://127.0.0.1:{proxy_endpoint['port']}/")
     rows, _ = digits_val_rows(spec)
