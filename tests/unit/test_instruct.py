@@ -1,0 +1,118 @@
+import pickle
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("transformers")
+
+from flotilla.data._instruct import IGNORE, INPUT_IDS, LABELS, TokenWindows, detect_format, load_tokenizer
+from flotilla.errors import DataError
+
+
+def answer_of(out, row, tok):
+    """The text the loss is taken on in one output row."""
+    labels = out[LABELS][row]
+    return tok.decode(labels[labels != IGNORE])
+
+
+def test_prompt_response_rows_take_the_loss_on_the_answer_only(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    windows = TokenWindows(tiny_llama, context=48)
+    out = windows(pd.DataFrame({"prompt": ["Add 2 and 3.", "Say hi."], "response": ["5", "hi there"]}))
+    assert out[INPUT_IDS].shape == out[LABELS].shape == (2, 48) and out[INPUT_IDS].dtype == np.int64
+    # the chat template renders the pair; the answer and the tokens that end its turn are learned
+    assert answer_of(out, 0, tok) == "5<|im_end|>\n"
+    assert answer_of(out, 1, tok) == "hi there<|im_end|>\n"
+    text = tok.decode(out[INPUT_IDS][0][out[LABELS][0] != IGNORE])
+    assert text == "\n5<|im_end|>"  # shifted: the inputs that predict the answer start at the "\n" before it
+    ids = out[INPUT_IDS][0]
+    shown = np.flatnonzero(out[LABELS][0] != IGNORE)
+    assert (out[LABELS][0][shown[:-1]] == ids[shown[:-1] + 1]).all()
+    n = len(tok.apply_chat_template([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]))
+    assert (ids[n - 1:] == tok.pad_token_id).all() and (out[LABELS][0][n - 1:] == IGNORE).all()
+
+
+def test_plain_prompt_response_ends_the_answer_with_eos(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    out = TokenWindows(tiny_llama, context=32, chat="plain")({"prompt": np.array(["Q: 1+1?\nA:"]),
+                                                             "response": np.array([" 2"])})
+    assert answer_of(out, 0, tok) == " 2<|im_end|>"
+    assert tok.decode(out[INPUT_IDS][0][: len(tok("Q: 1+1?\nA: 2")["input_ids"])]).startswith("Q: 1+1?\nA:")
+
+
+def test_chats_learn_every_assistant_turn_from_arrow_and_json_cells(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+            {"role": "assistant", "content": "6"}]
+    table = pa.table({"messages": [chat]})
+    import json
+
+    for batch in (table.to_pandas(), {"messages": table.column("messages").to_numpy(zero_copy_only=False)},
+                  {"messages": np.array([json.dumps(chat)])}):
+        out = TokenWindows(tiny_llama, context=64)(batch)
+        assert answer_of(out, 0, tok) == "4<|im_end|>\n6<|im_end|>\n"
+
+
+def test_text_is_packed_into_full_windows_with_every_token_learned(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    docs = ["import os\nprint(os.getcwd())\n" * 3, "def f(x):\n    return x * 2\n" * 4]
+    stream = sum((tok(d)["input_ids"] + [tok.eos_token_id] for d in docs), [])
+    out = TokenWindows(tiny_llama, context=16)(pd.DataFrame({"text": docs}))
+    rows = -(-(len(stream) - 1) // 16)
+    assert out[INPUT_IDS].shape == (rows, 16)
+    assert (out[LABELS][:-1] != IGNORE).all()  # only the last window is padded
+    # the windows overlap by one token: a window's last target is the next window's first input
+    assert (out[LABELS][:-1, -1] == out[INPUT_IDS][1:, 0]).all()
+    learned = np.concatenate([out[INPUT_IDS][:, :1].ravel()[:1], out[LABELS][out[LABELS] != IGNORE]])
+    assert learned.tolist() == stream
+
+
+def test_long_rows_are_cut_to_the_context_and_rows_with_no_answer_left_dropped(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    long_answer = "word " * 200
+    out = TokenWindows(tiny_llama, context=24)(pd.DataFrame({"prompt": ["short", "x " * 200],
+                                                            "response": [long_answer, "lost"]}))
+    assert out[INPUT_IDS].shape == (1, 24)
+    assert (out[LABELS][0][-5:] != IGNORE).all() and long_answer.startswith(answer_of(out, 0, tok))
+    empty = TokenWindows(tiny_llama, context=8)(pd.DataFrame({"prompt": [], "response": []}))
+    assert empty[INPUT_IDS].shape == (0, 8)
+
+
+def test_the_transform_pickles_without_a_tokenizer(tiny_llama):
+    windows = TokenWindows(tiny_llama, context=16)
+    windows(pd.DataFrame({"text": ["warm the cache"]}))
+    payload = pickle.dumps(windows)
+    assert len(payload) < 500 and b"tokenizer" not in payload  # a path and numbers, loaded again where it runs
+    again = pickle.loads(payload)
+    assert (again(pd.DataFrame({"text": ["abc"]}))[INPUT_IDS] == windows(pd.DataFrame({"text": ["abc"]}))[INPUT_IDS]).all()
+
+
+def test_formats_are_detected_and_bad_cells_named():
+    assert detect_format(["messages", "id"]) == "messages"
+    assert detect_format(["prompt", "response"]) == "prompt_response"
+    assert detect_format(["text"]) == "text"
+    with pytest.raises(DataError, match=r"columns a, b; .* needs `prompt` and `response`"):
+        detect_format(["a", "b"])
+
+
+def test_bad_messages_and_templates_say_what_to_change(tiny_llama, tmp_path):
+    windows = TokenWindows(tiny_llama, context=16)
+    with pytest.raises(DataError, match="must be a list of {role, content}"):
+        windows({"messages": np.array([[{"who": "user"}]], dtype=object)})
+    with pytest.raises(DataError, match="is a string but not JSON"):
+        windows({"messages": np.array(["hello"])})
+    tok = load_tokenizer(tiny_llama)
+    rewriting = tmp_path / "rewriting"
+    tok2 = type(tok).from_pretrained(tiny_llama)
+    # a template that renders the last turn differently (as some 'thinking' templates do)
+    tok2.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                          "{% if loop.last %}!{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok2.save_pretrained(rewriting)
+    (rewriting / "config.json").write_text((__import__("pathlib").Path(tiny_llama) / "config.json").read_text())
+    with pytest.raises(DataError, match="renders earlier turns differently"):
+        TokenWindows(str(rewriting), context=32)({"messages": np.array([[
+            {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]], dtype=object)})
