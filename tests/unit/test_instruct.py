@@ -30,7 +30,9 @@ def test_prompt_response_rows_take_the_loss_on_the_answer_only(tiny_llama):
     ids = out[INPUT_IDS][0]
     shown = np.flatnonzero(out[LABELS][0] != IGNORE)
     assert (out[LABELS][0][shown[:-1]] == ids[shown[:-1] + 1]).all()
-    n = len(tok.apply_chat_template([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}],
+                                       tokenize=False)
+    n = len(tok(rendered, add_special_tokens=False)["input_ids"])
     assert (ids[n - 1:] == tok.pad_token_id).all() and (out[LABELS][0][n - 1:] == IGNORE).all()
 
 
