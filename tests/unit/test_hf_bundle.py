@@ -1,0 +1,92 @@
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from flotilla._hf_bundle import ADAPTER_DIR, load_hf_bundle, write_hf_bundle
+from flotilla.errors import BundleError
+from flotilla.models._hf import build_hf_causal_lm
+
+
+def lora_spec(path):
+    return {"kind": "hf_causal_lm", "pretrained": path, "adaptation": "lora",
+            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama, tmp_path_factory):
+    """A LoRA model with non-zero adapters, and its bundle written the way the loop will: from a
+    fresh model loaded with the trained (consolidated) state dict."""
+    torch.manual_seed(0)
+    model = build_hf_causal_lm(lora_spec(tiny_llama)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    fresh = build_hf_causal_lm(lora_spec(tiny_llama))
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
+    bundle = write_hf_bundle(tmp_path_factory.mktemp("bundle"), fresh, lora_spec(tiny_llama),
+                             {"task": "lm"}, {"final": {"val_loss": 1.0}})
+    return model, bundle
+
+
+def test_the_bundle_holds_safetensors_json_and_text_only(trained):
+    _, bundle = trained
+    files = sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "model.json", "metrics.json", f"{ADAPTER_DIR}/adapter_model.safetensors",
+            f"{ADAPTER_DIR}/adapter_config.json"} <= set(files)
+    assert all(f.endswith((".safetensors", ".json", ".jinja", ".md")) for f in files), files  # nothing pickled
+    assert (bundle / ADAPTER_DIR / "adapter_model.safetensors").stat().st_size < (bundle / "model.safetensors").stat().st_size / 10
+    assert json.loads((bundle / "generation_config.json").read_text())["eos_token_id"] == 2  # <|im_end|>
+
+
+def test_the_merged_bundle_generates_what_the_peft_model_generates(trained):
+    model, bundle = trained
+    loaded = load_hf_bundle(bundle)
+    tok = loaded.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "def main():"}], tokenize=False,
+                                     add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(model.spec["pretrained"]).eval()
+        assert not torch.equal(plain(ids).logits, loaded.model(ids).logits)  # the adapters are in the weights
+        assert (model(ids) - loaded.model(ids).logits).abs().max() < 1e-5
+    settings = [dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=0, top_p=1.0),
+                dict(do_sample=True, temperature=1.3, top_k=20, top_p=0.9)]
+    sampled = []
+    for kwargs in settings:
+        for seed in (0, 1):
+            outs = []
+            for m in (model.hf, loaded.model):
+                torch.manual_seed(seed)
+                outs.append(m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                       min_new_tokens=12, **kwargs)[0, ids.shape[1]:].tolist())
+            assert outs[0] == outs[1], (kwargs, seed)
+            sampled.append(outs[0])
+    assert len({tuple(s) for s in sampled[2:]}) == 4  # the seeds and settings did sample different texts
+    # the adapter alone, loaded onto the base, is the same model again
+    again = PeftModel.from_pretrained(plain, bundle / ADAPTER_DIR).eval()
+    with torch.no_grad():
+        assert (again(input_ids=ids).logits - model(ids)).abs().max() < 1e-6
+
+
+def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):
+    _, bundle = trained
+    with pytest.raises(BundleError, match=r"not a complete language-model bundle: missing config.json, "
+                                          r"generation_config.json, model.json, metrics.json, model.safetensors"):
+        load_hf_bundle(tmp_path)
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.M"}}))
+    with pytest.raises(BundleError, match="names code of its own"):
+        load_hf_bundle(copy)
