@@ -73,6 +73,10 @@ def test_full_and_freeze(tiny_llama):
     off = {n for n, p in frozen.named_parameters() if not p.requires_grad}
     assert "hf.model.embed_tokens.weight" in off and all(".layers.1." not in n for n in off)
     assert trainable_parameters(frozen) < total
+    sharded = torch.nn.Linear(4, 4)
+    sharded.weight.data = torch.empty(0)  # what a ZeRO-3 rank holds of a partitioned parameter
+    sharded.weight.ds_numel = 16
+    assert trainable_parameters(sharded) == 16 + 4
     with pytest.raises(ModelError, match=r"model.freeze \['model.nothing'\] matches no parameter; names start with: "
                                          r"lm_head.weight, model.embed_tokens"):
         build_hf_causal_lm(spec(tiny_llama, adaptation="freeze", freeze=["model.nothing"]))

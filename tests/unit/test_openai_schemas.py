@@ -60,7 +60,7 @@ class _Stub(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def client():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="unused", max_retries=0,
                         timeout=10)

@@ -192,8 +192,9 @@ def _freeze(hf: nn.Module, prefixes: list[str]) -> None:
 
 
 def trainable_parameters(model: nn.Module) -> int:
-    """How many parameters the optimizer updates (for LoRA: the adapters only)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """How many parameters the optimizer updates (for LoRA: the adapters only). Under ZeRO-3 a
+    parameter's tensor is this rank's empty placeholder; its full size is `ds_numel`."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
 def adapter_state_dict(model: HFCausalLM) -> dict[str, torch.Tensor]:
