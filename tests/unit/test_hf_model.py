@@ -113,6 +113,9 @@ def test_missing_directory_and_unknown_hub_id_name_model_pretrained(tmp_path, mo
     with pytest.raises(ModelError, match=r"model.pretrained '/nowhere/model' is not a directory here; point "
                                          r"`--set model.pretrained=...`"):
         build_hf_causal_lm(spec("/nowhere/model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match=r"is a directory but not a loadable model.*config.json, \*.safetensors"):
+        build_hf_causal_lm(spec(str(tmp_path / "empty")))
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no network: fail at once
     with pytest.raises(ModelError, match=r"model.pretrained 'no-such-org/no-such-model' is neither a local directory "

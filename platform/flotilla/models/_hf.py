@@ -148,6 +148,9 @@ def _source(spec: dict[str, Any]) -> str:
         raise ModelError(f"model.pretrained {source!r} is not a directory here; point `--set model.pretrained=...` at "
                          "a directory written by save_pretrained (config.json, weights, tokenizer files), on storage "
                          "every node sees")
+    if looks_local and not os.path.isfile(os.path.join(source, "config.json")):
+        raise ModelError(f"model.pretrained {source!r} is a directory but not a loadable model: it has no config.json. "
+                         "It needs the files save_pretrained writes (config.json, *.safetensors, tokenizer files)")
     return source
 
 
