@@ -24,7 +24,7 @@ def test_file_directory_glob_and_uri(files):
 
 
 def test_mixed_directory_needs_a_format(files):
-    with pytest.raises(DataError, match="set `--set data.format=parquet` or `csv`"):
+    with pytest.raises(DataError, match="set `--set data.format=parquet`, `csv` or `json`"):
         resolve_source(str(files))
     assert resolve_source(str(files), "parquet").format == "parquet"
 

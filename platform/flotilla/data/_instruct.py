@@ -58,8 +58,10 @@ def load_tokenizer(pretrained: str, revision: str | None = None, trust_remote_co
     """The pretrained model's tokenizer, loaded once per process."""
     from transformers import AutoTokenizer
 
+    from flotilla.models._hf_tiny import resolve_pretrained
+
     try:
-        return AutoTokenizer.from_pretrained(pretrained, revision=revision, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(resolve_pretrained(pretrained), revision=revision, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise DataError(f"cannot load the tokenizer of model.pretrained {pretrained!r}: {e}") from None
 

@@ -15,8 +15,9 @@ import ray.data
 from ray.data.context import ShuffleStrategy
 from ray.data.preprocessors import LabelEncoder
 
-from flotilla.spec import GPTSpec, RunSpec
+from flotilla.spec import GPTSpec, HFCausalLMSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
+from flotilla.data._instruct import TokenWindows, detect_format, load_tokenizer
 from flotilla.data._schema import DataSchema
 from flotilla.data._columns import Column, block_stats, fit_columns, merge_stats, plan_columns, stats_row
 from flotilla.data._preprocess import VOCAB_SIZE, ByteWindows, to_json
@@ -60,11 +61,15 @@ def split_rows(df: pd.DataFrame, seed: int, val_fraction: float, keep: str) -> p
 def prepare_data(spec: RunSpec) -> PreparedData:
     wait_for_data_cpu()
     d = spec.data
-    text = isinstance(spec.model, GPTSpec)
+    pretrained = isinstance(spec.model, HFCausalLMSpec)
+    text = isinstance(spec.model, GPTSpec) or pretrained
     source = resolve_source(d.source, d.format, d.max_bytes)
     preprocessing = d.model_dump(mode="json", exclude={"source"})
     if text:
         preprocessing["context"] = spec.model.context
+    if pretrained:  # the tokenizer and how prompts are rendered decide the tokens
+        m = spec.model
+        preprocessing.update(pretrained=m.pretrained, revision=m.revision, prompt_format=m.prompt_format)
     fp = fingerprint(source.paths, source.filesystem, preprocessing)
 
     input_bytes = sum(info.size or 0 for info in source.filesystem.get_file_info(source.paths))
@@ -75,7 +80,16 @@ def prepare_data(spec: RunSpec) -> PreparedData:
     # aggregator actor per partition for every fit (seconds each on a small machine).
     ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     columns, types = _schema(ds, source)
-    if text:
+    row_format = None
+    if pretrained:
+        if d.text_column != "text" and d.text_column in columns and "text" not in columns:
+            ds, columns = ds.rename_columns({d.text_column: "text"}), [("text" if c == d.text_column else c) for c in columns]
+        row_format = detect_format(columns)
+        keep = {"messages": ["messages"], "prompt_response": ["prompt", "response"], "text": ["text"]}[row_format]
+        ds = ds.select_columns(keep)
+        if row_format == "messages":  # lists of {role, content}: as JSON text, which rows can be hashed by (the split)
+            ds = ds.map_batches(_messages_as_json, batch_format="pandas")
+    elif text:
         if d.text_column not in columns:
             raise DataError(
                 f"data.text_column {d.text_column!r} is not a column of {source.description!r}; "
@@ -100,7 +114,15 @@ def prepare_data(spec: RunSpec) -> PreparedData:
     train, val = side("train"), side("val")
     val_raw = val
     profile: dict[str, Any] | None = None
-    if text:
+    if pretrained:
+        m = spec.model
+        tokenizer = load_tokenizer(m.pretrained, m.revision, m.trust_remote_code)
+        steps = [_PretrainedWindows(TokenWindows(m.pretrained, m.context, row_format, revision=m.revision,
+                                                 trust_remote_code=m.trust_remote_code, chat=m.prompt_format))]
+        label_step = None
+        schema = DataSchema(task="lm", vocab_size=len(tokenizer), context=m.context, tokenizer=m.pretrained,
+                            row_format=row_format)
+    elif text:
         steps = [ByteWindows(d.text_column, spec.model.context)]
         label_step = None
         schema = DataSchema(task="lm", vocab_size=VOCAB_SIZE, context=spec.model.context, text_column=d.text_column)
@@ -157,7 +179,7 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         val=val,
         schema=schema,
         preprocessors={
-            "features": [to_json(s) for s in steps],
+            "features": [] if pretrained else [to_json(s) for s in steps],
             "label": to_json(label_step) if label_step is not None else None,
             **({"profile": profile} if profile is not None else {}),
         },
@@ -168,6 +190,27 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         val_raw=val_raw,
         profile=profile,
     )
+
+
+class _PretrainedWindows:
+    """The tokenizing step of a pretrained model's data, as a preprocessing step (`transform(ds)`):
+    each batch of rows becomes `input_ids` and shifted `labels` (`flotilla.data._instruct`). Text is
+    packed per batch, so batches are large: few windows are left part empty."""
+
+    def __init__(self, windows: TokenWindows):
+        self.windows = windows
+
+    def transform(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        return ds.map_batches(self.windows, batch_format="pandas", batch_size=4096)
+
+
+def _messages_as_json(df: pd.DataFrame) -> pd.DataFrame:
+    def as_json(cell: Any) -> str:
+        if isinstance(cell, str):
+            return cell
+        return json.dumps([{k: (str(v) if v is not None else None) for k, v in dict(m).items()} for m in cell])
+
+    return df.assign(messages=df["messages"].map(as_json))
 
 
 def _one_pass(ds: ray.data.Dataset, columns: list[Column], label: str, classes: bool, seed: int,
@@ -198,7 +241,7 @@ def resolve_task(spec: RunSpec) -> str:
     """The task a run of `spec` has: `lm` for text models, `data.task` when set, else what `auto`
     decides from the label column's type, read from the source's schema (no Ray, no rows read)."""
     d = spec.data
-    if isinstance(spec.model, GPTSpec):
+    if isinstance(spec.model, (GPTSpec, HFCausalLMSpec)):
         return "lm"
     if d.task != "auto":
         return d.task
@@ -256,7 +299,7 @@ def _read(source: ResolvedSource, in_driver: bool = False) -> ray.data.Dataset:
             table = pads.dataset(source.paths, filesystem=source.filesystem, format=source.format).to_table()
             if table.num_rows:  # no rows: Ray Data's reader says so the way the checks expect
                 return ray.data.from_arrow(table)
-        reader = ray.data.read_parquet if source.format == "parquet" else ray.data.read_csv
+        reader = {"parquet": ray.data.read_parquet, "csv": ray.data.read_csv, "json": ray.data.read_json}[source.format]
         return reader(source.paths, filesystem=source.filesystem)
     except Exception as e:  # Ray wraps pyarrow's parse errors in many types
         raise DataError(f"cannot read {source.description!r} as {source.format}: {summarize(e)}") from None

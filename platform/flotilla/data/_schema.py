@@ -28,19 +28,27 @@ class DataSchema(BaseModel):
     # language models
     vocab_size: Optional[int] = None
     context: Optional[int] = None
-    text_column: Optional[str] = None
+    text_column: Optional[str] = None  # byte-level `gpt`: the text column
+    # pretrained models (`hf_causal_lm`): rows become `input_ids` and shifted `labels` (a loss mask)
+    tokenizer: Optional[str] = None  # `model.pretrained`: where the tokenizer loads from
+    row_format: Optional[Literal["prompt_response", "messages", "text"]] = None
 
     @model_validator(mode="after")
     def _fields_of_the_task(self) -> "DataSchema":
         needed = {
             "classification": ("feature_columns", "label_column", "num_features", "classes", "num_classes"),
             "regression": ("feature_columns", "label_column", "num_features"),
-            "lm": ("vocab_size", "context", "text_column"),
+            "lm": ("vocab_size", "context") + (("row_format",) if self.tokenizer else ("text_column",)),
         }[self.task]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.task} schema needs {', '.join(missing)}")
         return self
+
+    @property
+    def masked(self) -> bool:
+        """Token windows with a loss mask (a pretrained model's `input_ids` and `labels`), not byte windows."""
+        return self.tokenizer is not None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form: what model factories receive and model.json holds."""

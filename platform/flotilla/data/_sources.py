@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 
 from flotilla.errors import DataError
 
-BUILTIN_SOURCES = ("digits", "pycode")
-_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+BUILTIN_SOURCES = ("digits", "pycode", "arith")
+_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 _GLOB_CHARS = set("*?[")
 
 
@@ -30,7 +30,7 @@ class ResolvedSource:
     description: str  # what the user wrote (or the built-in name)
     paths: list[str]  # filesystem paths, sorted
     filesystem: pafs.FileSystem
-    format: str  # "parquet" or "csv"
+    format: str  # "parquet", "csv" or "json" (JSON Lines)
 
 
 def cache_dir() -> Path:
@@ -43,6 +43,8 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
         return ResolvedSource("digits", [str(_write_digits())], pafs.LocalFileSystem(), "parquet")
     if source == "pycode":
         return ResolvedSource("pycode", [str(_write_pycode(max_bytes))], pafs.LocalFileSystem(), "parquet")
+    if source == "arith":
+        return ResolvedSource("arith", [str(_write_arith())], pafs.LocalFileSystem(), "parquet")
 
     fs, base = filesystem_for(source)
     if _GLOB_CHARS & set(base):
@@ -56,7 +58,7 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
         if info.type == pafs.FileType.NotFound:
             raise DataError(
                 f"data.source {source!r} does not exist{_where_this_runs()}; point `--set data.source=...` at a "
-                f"Parquet/CSV file, a directory of them, or a glob, or use a built-in sample ({', '.join(BUILTIN_SOURCES)})"
+                f"Parquet/CSV/JSON Lines file, a directory of them, or a glob, or use a built-in sample ({', '.join(BUILTIN_SOURCES)})"
             )
         if info.type == pafs.FileType.Directory:
             paths = sorted(
@@ -65,7 +67,7 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
                 if Path(i.path).suffix.lower() in _EXTENSIONS and not Path(i.path).name.startswith((".", "_"))
             )
             if not paths:
-                raise DataError(f"data.source {source!r} is a directory with no .parquet or .csv files")
+                raise DataError(f"data.source {source!r} is a directory with no .parquet, .csv or .jsonl files")
         else:
             paths = [base]
     return ResolvedSource(source, paths, fs, _decide_format(source, paths, fmt))
@@ -108,7 +110,7 @@ def _decide_format(source: str, paths: list[str], fmt: str) -> str:
         return kinds.pop()
     raise DataError(
         f"data.source {source!r}: cannot tell the format from the file names "
-        f"({', '.join(sorted(Path(p).suffix or '(none)' for p in paths[:5]))}); set `--set data.format=parquet` or `csv`"
+        f"({', '.join(sorted(Path(p).suffix or '(none)' for p in paths[:5]))}); set `--set data.format=parquet`, `csv` or `json`"
     )
 
 
@@ -154,3 +156,21 @@ def _write_pycode(max_bytes: int | None) -> Path:
     if not texts:
         raise DataError(f"no .py files under {stdlib}; the pycode sample needs the Python standard library sources")
     return _atomic_write_parquet(pa.table({"path": names, "text": texts}), path)
+
+
+def _write_arith(rows: int = 2000) -> Path:
+    """Instructions with one right answer each, for fine-tuning a language model where nothing can be
+    downloaded: `prompt` ("What is 12 plus 7?") and `response` ("12 plus 7 is 19."), fixed by a seed."""
+    path = cache_dir() / "datasets" / f"arith-{rows}.parquet"
+    if path.exists():
+        return path
+    import random
+
+    rng = random.Random(0)
+    prompts, responses = [], []
+    for _ in range(rows):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        word, value = rng.choice([("plus", a + b), ("minus", a - b), ("times", a * b)])
+        prompts.append(f"What is {a} {word} {b}?")
+        responses.append(f"{a} {word} {b} is {value}.")
+    return _atomic_write_parquet(pa.table({"prompt": prompts, "response": responses}), path)

@@ -10,10 +10,11 @@ from torch import nn
 
 from flotilla.errors import ModelError
 from flotilla.models._gpt import build_gpt
+from flotilla.models._hf import build_hf_causal_lm
 from flotilla.models._mlp import build_mlp
 
 
-_BUILTIN = {"mlp": build_mlp, "gpt": build_gpt}
+_BUILTIN = {"mlp": build_mlp, "gpt": build_gpt, "hf_causal_lm": build_hf_causal_lm}
 
 
 def build_model(model_spec: dict[str, Any], schema) -> nn.Module:

@@ -180,5 +180,11 @@ def flops_per_token(spec: dict, num_params: int) -> float:
 
     From the PaLM paper (Chowdhery et al. 2022), appendix B; activation checkpointing's
     recomputation is not counted, as is customary for model FLOPs utilization.
+
+    A pretrained model (`hf_causal_lm`, whose layer sizes live in its own config) counts its weights
+    only; with frozen weights (LoRA, `freeze`) the backward pass computes no gradient for them,
+    which saves a third: 4N.
     """
+    if spec.get("kind") == "hf_causal_lm":
+        return (6 if spec.get("adaptation") == "full" else 4) * num_params
     return 6 * num_params + 12 * spec["layers"] * spec["context"] * spec["width"]

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from flotilla.errors import ModelError
+from flotilla.models._hf_tiny import resolve_pretrained
 
 ADAPTATIONS = ("lora", "full", "freeze")
 # Where LoRA goes when `model.lora.target_modules` is null: the attention projections, as in the
@@ -105,7 +107,9 @@ def load_pretrained(spec: dict[str, Any], dtype: torch.dtype = torch.float32,
                     deepspeed_config: dict[str, Any] | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` for `model.pretrained`, its errors said in spec terms."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per load and save in every worker's log says nothing
     source, revision = _source(spec), spec.get("revision")
     trust = bool(spec.get("trust_remote_code", False))
     try:
@@ -119,6 +123,10 @@ def load_pretrained(spec: dict[str, Any], dtype: torch.dtype = torch.float32,
         raise ModelError(f"model.pretrained {source!r}: {e}") from None
     except OSError as e:
         raise ModelError(_not_found(source, revision, e)) from None
+    if torch.get_default_device().type == "meta":
+        # The driver's check before training (`with torch.device("meta")`): the architecture from its
+        # config, no weights read (from_pretrained refuses the meta device).
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)
     keep_alive = None
     if deepspeed_config is not None and int(deepspeed_config.get("zero_optimization", {}).get("stage", 0)) == 3:
         from transformers.integrations import HfDeepSpeedConfig
@@ -142,7 +150,7 @@ def _source(spec: dict[str, Any]) -> str:
     source = spec.get("pretrained")
     if not source:
         raise ModelError("model.pretrained is empty; set a local directory or a hub id: `--set model.pretrained=...`")
-    source = os.path.expanduser(str(source))
+    source = os.path.expanduser(resolve_pretrained(str(source)))
     looks_local = source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
     if looks_local and not os.path.isdir(source):
         raise ModelError(f"model.pretrained {source!r} is not a directory here; point `--set model.pretrained=...` at "
@@ -172,7 +180,11 @@ def _add_lora(hf: nn.Module, spec: dict[str, Any]) -> nn.Module:
     config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
                         target_modules=targets, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(hf, config)
+        with warnings.catch_warnings():
+            # peft 0.21 asks transformers 5 `is_gradient_checkpointing`, which warns that it is renamed
+            # (peft's call, once per build); nothing a user can change.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+            return get_peft_model(hf, config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, m in hf.named_modules() if isinstance(m, nn.Linear)})
         raise ModelError(f"model.lora.target_modules {targets!r} matches no layer of {spec['pretrained']!r} ({e}); "

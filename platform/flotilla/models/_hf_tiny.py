@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+# `model.pretrained` names that Flotilla builds itself, on first use, under its cache directory:
+# a model to try the fine-tuning path with where no pretrained model can be downloaded.
+BUILTIN_MODELS = ("tiny-llama",)
 
 # ChatML, the template Qwen and many fine-tunes use: `<|im_end|>` ends a turn (the eos token, so
 # generation stops there) and a generation prompt opens the assistant's turn.
@@ -57,6 +64,9 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, hidden: int = 64
     `directory` with `save_pretrained`; return the directory."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     out = Path(directory)
     tokenizer = build_tiny_tokenizer(vocab_size)
@@ -81,3 +91,27 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, hidden: int = 64
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def resolve_pretrained(name: str) -> str:
+    """Where `model.pretrained` loads from: a built-in name (`BUILTIN_MODELS`) becomes its directory
+    under the cache (`$FLOTILLA_CACHE/models/`), built on first use by whichever process needs it
+    first (the same Python builds the same model); anything else is returned as it is."""
+    if name not in BUILTIN_MODELS:
+        return name
+    from flotilla.data import cache_dir
+
+    final = cache_dir() / "models" / name
+    if (final / "config.json").exists():
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        build_tiny_llama(building)
+        os.rename(building, final)  # atomic; another process that got there first wins
+    except OSError:
+        if not (final / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return str(final)

@@ -59,11 +59,13 @@ class DataSpec(_Section):
 
     source: str = Field(
         "digits",
-        description="`digits` or `pycode` (built-in samples that need no download), or a Parquet/CSV "
+        description="`digits`, `pycode` or `arith` (built-in samples that need no download: digit images, Python "
+        "source text, arithmetic instructions with `prompt`/`response`), or a Parquet/CSV/JSON Lines "
         "file, directory or glob: a local path or a pyarrow filesystem URI such as `s3://bucket/prefix/`.",
     )
-    format: Literal["auto", "parquet", "csv"] = Field(
-        "auto", description="File format; `auto` decides from the file extension."
+    format: Literal["auto", "parquet", "csv", "json"] = Field(
+        "auto", description="File format; `auto` decides from the file extension (`json`: JSON Lines, one object "
+        "per line, `.jsonl`/`.json`)."
     )
     features: Optional[list[str]] = Field(
         None, description="Feature columns: numbers, booleans or strings (categories). Null means every column "
@@ -131,7 +133,7 @@ Activation = Literal["relu", "gelu", "tanh", "silu"]
 class MLPSpec(_Section):
     """A multi-layer perceptron for classification or regression on numeric features."""
 
-    kind: Literal["mlp"] = Field("mlp", description="Model kind: `mlp`, `gpt` or `custom`.")
+    kind: Literal["mlp"] = Field("mlp", description="Model kind: `mlp`, `gpt`, `hf_causal_lm` or `custom`.")
     hidden: list[Annotated[int, Field(gt=0)]] = Field(
         [128, 64], description="Hidden layer widths, input to output."
     )
@@ -142,7 +144,7 @@ class MLPSpec(_Section):
 class GPTSpec(_Section):
     """A decoder-only transformer language model over bytes."""
 
-    kind: Literal["gpt"] = Field("gpt", description="Model kind: `mlp`, `gpt` or `custom`.")
+    kind: Literal["gpt"] = Field("gpt", description="Model kind: `mlp`, `gpt`, `hf_causal_lm` or `custom`.")
     layers: int = Field(4, gt=0, description="Transformer blocks.")
     heads: int = Field(4, gt=0, description="Attention heads per block; must divide `width`.")
     width: int = Field(128, gt=0, description="Embedding width (d_model).")
@@ -165,7 +167,7 @@ class GPTSpec(_Section):
 class CustomModelSpec(_Section):
     """A user model: `factory(model_spec: dict, schema: dict) -> torch.nn.Module`."""
 
-    kind: Literal["custom"] = Field("custom", description="Model kind: `mlp`, `gpt` or `custom`.")
+    kind: Literal["custom"] = Field("custom", description="Model kind: `mlp`, `gpt`, `hf_causal_lm` or `custom`.")
     factory: str = Field(
         ..., description="Import path `package.module:function`, importable from the working directory."
     )
@@ -174,7 +176,54 @@ class CustomModelSpec(_Section):
     )
 
 
-ModelSpec = Annotated[Union[MLPSpec, GPTSpec, CustomModelSpec], Field(discriminator="kind")]
+class LoraSpec(_Section):
+    """LoRA adapters (Hu et al. 2021) through peft: the pretrained weights stay frozen and each targeted layer
+    learns a low-rank update `alpha / rank * B A`."""
+
+    rank: int = Field(8, gt=0, description="Rank r of each update (the adapters' width).")
+    alpha: float = Field(16.0, gt=0, description="Scale of the update: it is multiplied by `alpha / rank`.")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: Optional[list[str]] = Field(
+        None, description="Names of the layers that get adapters (e.g. `[q_proj, v_proj]`). Null: the attention "
+        "projections of Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX models; every linear layer but the output head "
+        "of other architectures."
+    )
+
+
+class HFCausalLMSpec(_Section):
+    """A pretrained Hugging Face causal language model (transformers), fine-tuned on instructions, chats or text."""
+
+    kind: Literal["hf_causal_lm"] = Field("hf_causal_lm", description="Model kind: `mlp`, `gpt`, `hf_causal_lm` or `custom`.")
+    pretrained: str = Field(
+        ..., description="A directory written by `save_pretrained` (weights, config, tokenizer) on storage every node "
+        "sees, or a Hugging Face hub id where the nodes can download it."
+    )
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `pretrained`.")
+    trust_remote_code: bool = Field(
+        False, description="Run code that the model's repository ships (a custom architecture). Off: such a model is "
+        "refused; turn it on only after reading that code."
+    )
+    adaptation: Literal["lora", "full", "freeze"] = Field(
+        "lora", description="`lora`: train LoRA adapters only; `full`: every weight; `freeze`: every weight but the "
+        "layers listed in `freeze`."
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="The adapters, with `adaptation: lora`.")
+    freeze: list[str] = Field(
+        default_factory=list, description="With `adaptation: freeze`: parameter-name prefixes kept frozen, e.g. "
+        "`[model.embed_tokens, model.layers.0]`."
+    )
+    context: int = Field(256, gt=1, description="Tokens per training window: longer rows are cut, text is packed.")
+    prompt_format: Literal["auto", "chat", "plain"] = Field(
+        "auto", description="How `prompt`/`response` rows become text: `chat` renders them as a one-turn chat with "
+        "the tokenizer's chat template, `plain` joins them (prompt, then response and end of text); `auto`: chat "
+        "when the tokenizer has a template."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in the backward pass (less memory, ~30% more compute)."
+    )
+
+
+ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------- train
@@ -401,19 +450,22 @@ class RunSpec(_Section):
     def _model_fits_data(self) -> "RunSpec":
         if isinstance(self.model, GPTSpec) and self.data.source == "digits":
             raise ValueError("`model.kind: gpt` needs a text source: `--set data.source=pycode`, or a file with a text column")
-        if isinstance(self.model, MLPSpec) and self.data.source == "pycode":
-            raise ValueError("`data.source: pycode` is text; train a language model on it: `--set model.kind=gpt`")
+        if isinstance(self.model, HFCausalLMSpec) and self.data.source == "digits":
+            raise ValueError("`model.kind: hf_causal_lm` fine-tunes on text, instructions or chats: `--set data.source=arith` "
+                             "(built-in instructions), or a file with `prompt`/`response`, `messages` or `text` columns")
+        if isinstance(self.model, MLPSpec) and self.data.source in ("pycode", "arith"):
+            raise ValueError(f"`data.source: {self.data.source}` is text; train a language model on it: `--set model.kind=gpt`")
         if self.tune is not None:
             problems = self._space_paths_problems()
             if problems:
                 raise ValueError("; ".join(problems))
-        if isinstance(self.model, GPTSpec):
+        if isinstance(self.model, (GPTSpec, HFCausalLMSpec)):
             lm = gate_metrics("lm")
             for rule in self.track.gate.require:
                 match = GATE_RULE.match(rule)
                 if match and match.group(1) not in lm:
                     raise ValueError(
-                        f"`track.gate.require`: {rule!r} tests {match.group(1)!r}, which a gpt run does not report; "
+                        f"`track.gate.require`: {rule!r} tests {match.group(1)!r}, which a {self.model.kind} run does not report; "
                         f"use one of {', '.join(lm)}"
                     )
         return self

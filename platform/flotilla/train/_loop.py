@@ -36,11 +36,14 @@ from deepspeed.utils import logger as ds_logger
 from deepspeed.utils import safe_get_full_fp32_param
 from ray.train.v2._internal.execution import context as _train_context
 
+from flotilla._hf_bundle import write_hf_bundle
 from flotilla.bundle import write_bundle
 from flotilla.errors import CheckpointError
 from flotilla.metrics import TASKS, primary_metric
 from flotilla.data import FEATURES, TOKENS, DataSchema, filesystem_for
+from flotilla.data._instruct import IGNORE, INPUT_IDS, LABELS
 from flotilla.models import build_model, flops_per_token
+from flotilla.models._hf import build_hf_causal_lm
 from flotilla.redact import redact
 from flotilla.train import _checkpoint
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
@@ -128,13 +131,20 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         _skip_shared_memory_op()
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model_spec = spec.model.model_dump(mode="json")
-    model = build_model(model_spec, schema)
-    num_params = sum(p.numel() for p in model.parameters())
     micro_batches, steps_per_epoch = optimizer_steps(config.train_rows, world, t)
+    ds_config = deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda")
+    if model_spec["kind"] == "hf_causal_lm":
+        # Loaded in the precision it trains in; under ZeRO-3 created partitioned across the ranks
+        # (rank 0 alone reads the weights), never whole on every rank.
+        model = build_hf_causal_lm(model_spec, schema, dtype=dtype, deepspeed_config=ds_config)
+    else:
+        model = build_model(model_spec, schema)
+    # (a parameter ZeRO-3 partitioned at build holds an empty tensor here; `ds_numel` is its size)
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda"),
+        config=ds_config,
     )
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
 
@@ -168,7 +178,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     first_step_at = 0.0  # wall-clock time of this attempt's first finished step (start-up cost)
     for epoch in range(start_epoch, t.epochs):
         engine.train()
-        loss_sum, samples, correct, started = 0.0, 0, 0, time.perf_counter()
+        loss_sum, loss_count, samples, correct, started = 0.0, 0, 0, 0, time.perf_counter()
         stopped = None
         live.start_epoch()
         step_started, data_wait = started, 0.0
@@ -199,7 +209,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                 what = "train_loss" if not math.isfinite(step_loss) else "train_loss on another rank"
                 stopped = not_finite_message(config, what, step_loss, epoch + 1, int(engine.global_steps), precision)
                 break
-            loss_sum += step_loss * len(targets)
+            loss_sum += step_loss * _loss_count(targets, schema)
+            loss_count += _loss_count(targets, schema)
             samples += len(targets)
             now = time.perf_counter()
             live.step(now - step_started, len(targets), step_loss)
@@ -214,13 +225,13 @@ def train(config: WorkerConfig, session: Session) -> str | None:
 
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
         totals = _all_reduce(
-            [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct], device
+            [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
         )
         slowest, most_waited, ended_at = _all_reduce([train_time, data_wait, time.time()], device, op=dist.ReduceOp.MAX)
         metrics: dict[str, Any] = {
             "epoch": epoch + 1,
             "global_step": int(engine.global_steps),
-            "train_loss": totals[0] / max(totals[1], 1),
+            "train_loss": totals[0] / max(totals[7], 1),
             "val_loss": totals[2] / max(totals[4], 1),
             "samples_per_s": totals[1] / slowest if slowest > 0 else 0.0,
             "epoch_time_s": slowest,
@@ -375,6 +386,8 @@ class _Progress:
 
 
 def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
+    if schema.masked:
+        return {INPUT_IDS: torch.int64, LABELS: torch.int64}
     if schema.task == "lm":
         return {TOKENS: torch.int64}
     label_dtype = torch.int64 if schema.task == "classification" else torch.float32
@@ -382,6 +395,8 @@ def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
 
 
 def _split(batch: dict[str, torch.Tensor], schema: DataSchema, dtype: torch.dtype):
+    if schema.masked:  # labels come shifted, IGNORE where no loss is taken (prompts, padding)
+        return batch[INPUT_IDS], batch[LABELS]
     if schema.task == "lm":
         tokens = batch[TOKENS]
         return tokens[:, :-1], tokens[:, 1:]
@@ -394,7 +409,16 @@ def _loss(out: torch.Tensor, targets: torch.Tensor, schema: DataSchema, reductio
         return F.cross_entropy(out, targets, reduction=reduction)
     if schema.task == "regression":
         return F.mse_loss(out.squeeze(-1), targets, reduction=reduction)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction=reduction)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), reduction=reduction,
+                           ignore_index=IGNORE)
+
+
+def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
+    """What a batch's mean loss is a mean over: rows, or for language models the tokens a loss is
+    taken on (every target of byte windows; the unmasked ones of a pretrained model's windows)."""
+    if schema.masked:
+        return int((targets != IGNORE).sum())
+    return targets.numel() if schema.task == "lm" else len(targets)
 
 
 @torch.no_grad()
@@ -407,7 +431,7 @@ def _evaluate(engine, shard, schema, dtype, batch_size, device) -> dict[str, Any
             probe = inputs
         out = engine(inputs)
         loss_sum += _loss(out, targets, schema, "sum").item()
-        count += targets.numel()
+        count += _loss_count(targets, schema)
         rows += len(targets)
         if schema.task == "classification":
             correct += int((out.argmax(dim=-1) == targets).sum())
@@ -425,8 +449,10 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     for name, param in engine.module.named_parameters():
         full = safe_get_full_fp32_param(param)
         state[name] = (full if full is not None else param.detach()).float().cpu().clone()
+    saved = set(engine.module.state_dict().keys())
     for name, buf in engine.module.named_buffers():
-        state[name] = buf.detach().cpu().clone()
+        if name in saved:  # non-persistent buffers (a rotary embedding's frequencies) are rebuilt, not saved
+            state[name] = buf.detach().cpu().clone()
     return state
 
 
@@ -438,28 +464,29 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
     if rank != 0:
         return
     check = None
+    hf = model_spec["kind"] == "hf_causal_lm"
     if reference is not None:
-        fresh = build_model(model_spec, schema)
+        fresh = build_hf_causal_lm(model_spec, schema) if hf else build_model(model_spec, schema)
         fresh.load_state_dict(state, strict=True)
         fresh.eval()
         with torch.no_grad():
             inputs = probe.cpu().float() if probe.is_floating_point() else probe.cpu()
             check = float((fresh(inputs) - reference).abs().max())
-    write_bundle(
-        directory,
-        state,
-        model_spec,
-        schema,
-        config.preprocessors,
-        {
-            "final": metrics,
-            "history": history,
-            "fingerprint": config.fingerprint,
-            "run_name": config.run_name,
-            "worker_nodes": worker_nodes,
-            "bundle_check_max_abs_diff": check,
-        },
-    )
+    record = {
+        "final": metrics,
+        "history": history,
+        "fingerprint": config.fingerprint,
+        "run_name": config.run_name,
+        "worker_nodes": worker_nodes,
+        "bundle_check_max_abs_diff": check,
+    }
+    if hf:  # the merged weights as the pretrained model's own format (flotilla._hf_bundle)
+        if reference is None:
+            fresh = build_hf_causal_lm(model_spec, schema)
+            fresh.load_state_dict(state, strict=True)
+        write_hf_bundle(directory, fresh, model_spec, schema.as_dict(), record)
+        return
+    write_bundle(directory, state, model_spec, schema, config.preprocessors, record)
 
 
 def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
