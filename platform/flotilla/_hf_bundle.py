@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from flotilla.data import DataSchema
 from flotilla.errors import BundleError
 
 ADAPTER_DIR = "adapter"
@@ -63,15 +64,100 @@ def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], sc
 
 @dataclass
 class HFBundle:
+    """A fine-tuned pretrained language model, loaded: what the registry, the gate and MLflow's pyfunc
+    use, as they use `flotilla.bundle.InferenceBundle` (task `lm`: `predict_frame`, `generate`)."""
+
     path: Path
     model: torch.nn.Module  # a transformers PreTrainedModel, in eval mode
     tokenizer: Any
     model_spec: dict[str, Any]
     metrics: dict[str, Any]
+    schema: Any = None  # flotilla.data.DataSchema (task `lm`, its token windows)
 
     @property
     def generation_config(self):
         return self.model.generation_config
+
+    @property
+    def task(self) -> str:
+        return "lm"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def with_runtime(self, runtime: str, check: bool = True) -> "HFBundle":
+        if runtime != "torch":
+            raise BundleError(f"serve.runtime {runtime!r}: a fine-tuned pretrained model runs in torch only; "
+                              "`--set serve.runtime=torch`")
+        return self
+
+    def stop_ids(self) -> set[int]:
+        """Tokens that end a generation: the generation config's eos (one or a list) and the tokenizer's."""
+        eos = self.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Prompt token ids: a plain prompt as the tokenizer encodes it (as training encoded `plain`
+        prompts), or a user turn rendered with the chat template and the assistant's turn opened."""
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    @torch.inference_mode()
+    def generate_ids(self, ids: list[int], max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
+                     seed: int | None = None) -> Iterator[int]:
+        """Yield sampled token ids after `ids` (keys and values cached: one token's forward per step),
+        until an end-of-text token (not yielded) or `max_tokens`."""
+        from flotilla.bundle import sample_token
+
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        stops, device = self.stop_ids(), self.device
+        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
+        for _ in range(max_tokens):
+            token = sample_token(out.logits[0, -1].float().cpu(), temperature, top_k, generator)
+            if token in stops:
+                return
+            yield token
+            out = self.model(input_ids=torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
+
+    def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
+                        seed: int | None = None, chat: bool = False) -> Iterator[str]:
+        """Yield the text as it is generated; a piece never ends inside a character (a byte-level
+        token can hold part of one: the decoded text then ends in U+FFFD until the rest arrives)."""
+        generated: list[int] = []
+        sent = ""
+        for token in self.generate_ids(self.encode(prompt, chat), max_tokens, temperature, top_k, seed):
+            generated.append(token)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(sent):
+                yield text[len(sent):]
+                sent = text
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        if len(text) > len(sent):
+            yield text[len(sent):]
+
+    def generate(self, prompt: str, **kwargs) -> str:
+        return "".join(self.generate_stream(prompt, **kwargs))
+
+    def predict_frame(self, frame, params: dict[str, Any] | None = None):
+        """MLflow's pyfunc contract, as for `gpt` bundles: a `prompt` column in, `text` out; `params`
+        max_tokens, temperature, top_k (0: off), seed (-1: random)."""
+        import pandas as pd
+
+        from flotilla.bundle import GENERATE_DEFAULTS
+
+        if "prompt" not in frame.columns:
+            raise BundleError(f"a language-model bundle needs a `prompt` column; got {', '.join(map(str, frame.columns))}")
+        p = {**GENERATE_DEFAULTS, **(params or {})}
+        settings = dict(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
+                        top_k=int(p["top_k"]) or None, seed=None if int(p["seed"]) < 0 else int(p["seed"]))
+        return pd.DataFrame({"text": [self.generate(str(x), **settings) for x in frame["prompt"]]})
 
 
 def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFBundle:
@@ -92,5 +178,22 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
                                                  use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     meta = json.loads((root / MODEL_JSON).read_text())
+    schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
-                    metrics=json.loads((root / METRICS_JSON).read_text()))
+                    metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
+
+
+def is_hf_bundle(path: str | Path) -> bool:
+    """Whether the bundle at `path` holds a pretrained model (`hf_causal_lm`), read from its model.json."""
+    try:
+        meta = json.loads((Path(path) / MODEL_JSON).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta.get("model"), dict) and meta["model"].get("kind") == "hf_causal_lm"
+
+
+def weights_file(path: str | Path) -> Path:
+    """The file whose hash names the weights: model.safetensors, or the index of its shards."""
+    root = Path(path)
+    single = root / "model.safetensors"
+    return single if single.is_file() else root / "model.safetensors.index.json"

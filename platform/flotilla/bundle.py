@@ -30,6 +30,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
+from flotilla._hf_bundle import is_hf_bundle, load_hf_bundle
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
 from flotilla.data._columns import numeric_matrix
 from flotilla.errors import BundleError
@@ -224,7 +225,7 @@ class InferenceBundle:
 
         def tokens() -> Iterator[int]:
             for _ in range(max_tokens):
-                ids.append(_sample(logits_of(ids), temperature, top_k, generator))
+                ids.append(sample_token(logits_of(ids), temperature, top_k, generator))
                 yield ids[-1]
 
         yield from _pieces(tokens())
@@ -274,7 +275,7 @@ class InferenceBundle:
         for step in range(steps):
             for i, (n, temperature, top_k, generator) in enumerate(samplers):
                 if step < n and not (step and stops[i].is_set()):
-                    out[i].append(_sample(logits[i], temperature, top_k, generator))
+                    out[i].append(sample_token(logits[i], temperature, top_k, generator))
             if all(stop.is_set() for stop in stops):
                 break
             if step + 1 < steps:  # a row that is done repeats its last token; its logits go unread
@@ -307,7 +308,7 @@ class InferenceBundle:
         return result
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
     """The next token from one row of logits: greedy at temperature 0, else sampled (top-k first)."""
     if temperature <= 0:
         return int(logits.argmax())
@@ -348,6 +349,8 @@ def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -
     caller allows (`package.module:function`): None allows any (a bundle your own run wrote), a
     registered version is loaded with an explicit list (`serve.allow_factories`, default none)."""
     root = Path(path)
+    if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON as well)
+        return load_hf_bundle(root)
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
     if missing:
         raise BundleError(f"{root} is not a complete inference bundle: missing {', '.join(missing)}")

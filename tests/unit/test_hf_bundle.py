@@ -32,7 +32,8 @@ def trained(tiny_llama, tmp_path_factory):
     fresh = build_hf_causal_lm(lora_spec(tiny_llama))
     fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
     bundle = write_hf_bundle(tmp_path_factory.mktemp("bundle"), fresh, lora_spec(tiny_llama),
-                             {"task": "lm"}, {"final": {"val_loss": 1.0}})
+                             {"task": "lm", "vocab_size": 512, "context": 64, "tokenizer": tiny_llama,
+                              "row_format": "messages"}, {"final": {"val_loss": 1.0}})
     return model, bundle
 
 
@@ -71,6 +72,14 @@ def test_the_merged_bundle_generates_what_the_peft_model_generates(trained):
             assert outs[0] == outs[1], (kwargs, seed)
             sampled.append(outs[0])
     assert len({tuple(s) for s in sampled[2:]}) == 4  # the seeds and settings did sample different texts
+    # The bundle's own decoding (KV cache, one token per step) is transformers' greedy decoding, up to eos.
+    greedy = list(loaded.generate_ids(ids[0].tolist(), max_tokens=12, temperature=0))
+    with torch.no_grad():
+        reference = model.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                      do_sample=False)[0, ids.shape[1]:].tolist()
+    assert greedy == [t for t in reference[:len(greedy)]] and (len(greedy) == 12 or reference[len(greedy)] == 2)
+    assert loaded.generate("def main():", max_tokens=12, temperature=0, chat=True) == \
+        tok.decode(greedy, skip_special_tokens=True)
     # the adapter alone, loaded onto the base, is the same model again
     again = PeftModel.from_pretrained(plain, bundle / ADAPTER_DIR).eval()
     with torch.no_grad():

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from flotilla.metrics import not_finite, primary_metric
 from flotilla.spec import GATE_RULE, GateSpec
 from flotilla.data import TOKENS, ByteWindows
+from flotilla.data._instruct import IGNORE, INPUT_IDS, LABELS
+from flotilla.errors import BundleError
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
@@ -84,6 +86,18 @@ class BundleEvaluator:
     def add(self, batch: pd.DataFrame) -> None:
         b = self.bundle
         self.rows += len(batch)
+        if LABELS in batch.columns:  # a pretrained model's token windows: loss where labels are not IGNORE
+            inputs = torch.as_tensor(np.stack(batch[INPUT_IDS].to_numpy()), device=b.device)
+            labels = torch.as_tensor(np.stack(batch[LABELS].to_numpy()))
+            vocab = b.model.get_output_embeddings().weight.shape[0]
+            if int(inputs.max()) >= vocab:
+                raise BundleError(f"its vocabulary has {vocab} tokens and this run's tokenizer makes ids up to "
+                                  f"{int(inputs.max())}: the two models tokenize differently")
+            logits = b.model(input_ids=inputs).logits.float().cpu()
+            self.total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                                reduction="sum"))
+            self.count += int((labels != IGNORE).sum())
+            return
         if b.task == "lm":
             windows = ByteWindows(self.text_column, b.schema.context)._transform_pandas(batch)[TOKENS]
             if len(windows) == 0:

@@ -31,6 +31,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
+from flotilla._hf_bundle import weights_file
 from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
@@ -220,7 +221,8 @@ class Tracker:
             with tempfile.TemporaryDirectory(prefix="flotilla-track-") as tmp:
                 curve = plot_training_curves(history, Path(tmp) / "training_curves.png", self.run_name)
                 self.client.log_artifact(self.run_id, str(curve))
-                self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
+                if (bundle_dir / "preprocessors.json").is_file():  # (a pretrained model's bundle has its tokenizer)
+                    self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
             broken = not_finite(final)
             if broken:
                 error = NotFiniteError(f"run {self.run_name!r} finished with metrics that are not finite numbers "
@@ -348,7 +350,7 @@ class Tracker:
         """Log the bundle as this run's pyfunc model, register it as `candidate`, and gate it. A run
         registers one version: when an earlier attempt of this run (a driver that died after
         registering, or the same command run again) already did, that version is gated again."""
-        weights = file_sha256(bundle_dir / "model.safetensors")
+        weights = file_sha256(weights_file(bundle_dir))
         earlier = self._registered_version(weights) if self.continued else None
         if earlier is not None:
             print(f"[{self.run_name}] already registered as {self.model_name} v{earlier} by an earlier attempt of "
@@ -407,9 +409,13 @@ class Tracker:
                 return
         label = prepared.schema.label_column
         text = prepared.schema.text_column
+        # A pretrained model's rows are scored as token windows, this run's (`input_ids`, `labels`):
+        # both models must share the tokenizer for their perplexities to be comparable.
+        rows_of = prepared.val if prepared.schema.masked else prepared.val_raw
         try:
             values, rows = evaluate_bundles(
-                bundles, prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas"), label, text
+                bundles, rows_of.iter_batches(batch_size=256 if prepared.schema.masked else 2048,
+                                              batch_format="pandas"), label, text
             )
         except BundleError as e:
             decision.passed = False

@@ -135,7 +135,9 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     ds_config = deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda")
     if model_spec["kind"] == "hf_causal_lm":
         # Loaded in the precision it trains in; under ZeRO-3 created partitioned across the ranks
-        # (rank 0 alone reads the weights), never whole on every rank.
+        # (rank 0 alone reads the weights), never whole on every rank. Partitioning needs DeepSpeed's
+        # view of the process group Ray Train made, which `deepspeed.initialize` would only set up later.
+        deepspeed.init_distributed()
         model = build_hf_causal_lm(model_spec, schema, dtype=dtype, deepspeed_config=ds_config)
     else:
         model = build_model(model_spec, schema)
