@@ -86,6 +86,19 @@ class HFBundle:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def runtime(self) -> str:
+        return "torch"
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence (prompt and generated text) the model was built for, when its config says."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def to(self, device: str | torch.device) -> "HFBundle":
+        self.model.to(device)
+        return self
+
     def with_runtime(self, runtime: str, check: bool = True) -> "HFBundle":
         if runtime != "torch":
             raise BundleError(f"serve.runtime {runtime!r}: a fine-tuned pretrained model runs in torch only; "
@@ -111,16 +124,20 @@ class HFBundle:
 
     @torch.inference_mode()
     def generate_ids(self, ids: list[int], max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
-                     seed: int | None = None) -> Iterator[int]:
+                     seed: int | None = None, top_p: float = 1.0) -> Iterator[int]:
         """Yield sampled token ids after `ids` (keys and values cached: one token's forward per step),
-        until an end-of-text token (not yielded) or `max_tokens`."""
+        until an end-of-text token (not yielded) or `max_tokens`. `top_p` < 1 samples from the
+        smallest set of tokens whose probabilities add up to it (nucleus sampling)."""
         from flotilla.bundle import sample_token
 
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stops, device = self.stop_ids(), self.device
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
         for _ in range(max_tokens):
-            token = sample_token(out.logits[0, -1].float().cpu(), temperature, top_k, generator)
+            logits = out.logits[0, -1].float().cpu()
+            if top_p < 1.0 and temperature > 0:
+                logits = _nucleus(logits / temperature, top_p) * temperature
+            token = sample_token(logits, temperature, top_k, generator)
             if token in stops:
                 return
             yield token
@@ -130,9 +147,13 @@ class HFBundle:
                         seed: int | None = None, chat: bool = False) -> Iterator[str]:
         """Yield the text as it is generated; a piece never ends inside a character (a byte-level
         token can hold part of one: the decoded text then ends in U+FFFD until the rest arrives)."""
+        yield from self.text_pieces(self.generate_ids(self.encode(prompt, chat), max_tokens, temperature, top_k, seed))
+
+    def text_pieces(self, tokens: Iterator[int]) -> Iterator[str]:
+        """The text of `tokens` as it grows, in pieces that never end inside a character."""
         generated: list[int] = []
         sent = ""
-        for token in self.generate_ids(self.encode(prompt, chat), max_tokens, temperature, top_k, seed):
+        for token in tokens:
             generated.append(token)
             text = self.tokenizer.decode(generated, skip_special_tokens=True)
             if not text.endswith("\ufffd") and len(text) > len(sent):
@@ -181,6 +202,14 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
     schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
                     metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` with every token outside the nucleus (the most likely tokens whose probabilities
+    first add up to `top_p`; at least one) set to -inf."""
+    probs, order = torch.softmax(logits, -1).sort(descending=True)
+    outside = probs.cumsum(-1) - probs >= top_p  # tokens whose predecessors already reach top_p
+    return logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
 
 
 def is_hf_bundle(path: str | Path) -> bool:

@@ -37,7 +37,7 @@ class _Stub(BaseHTTPRequestHandler):
         chat = schema is ChatCompletionRequest
         if request.stream:
             events = (chat_stream if chat else completion_stream)(request.model, PIECES, ["length"],
-                                                                   usage if request.include_usage else None)
+                                                                   (lambda: usage) if request.include_usage else None)
             return self._send(200, "text/event-stream", b"".join(events))
         if chat:
             cid, created = new_id("chatcmpl")

@@ -54,8 +54,7 @@ def build_app(args: dict, kind: str):
     spec = load_spec(_config_path(parsed.config) if parsed.config else None, overrides)
     plan = plan_deployment(spec, model=parsed.model, tracking_uri=parsed.tracking_uri)
     if plan.kind != kind:
-        other = "generator" if kind == "classifier" else "classifier"
-        raise ServeError(f"{plan.model} is served by serve_apps.{other}:app, not serve_apps.{kind}:app")
+        raise ServeError(f"{plan.model} is served by serve_apps.{plan.kind}:app, not serve_apps.{kind}:app")
     return build_application(plan)
 
 

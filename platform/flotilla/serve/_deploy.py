@@ -17,15 +17,16 @@ from flotilla.runtime import HAPROXY_ENV
 from flotilla.spec import RunSpec, ServeSpec
 from flotilla.errors import ServeError, TrackingError
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
+from flotilla.serve._chat import Chat
 from flotilla.serve._server import Classifier, Generator
 
-APP_KINDS = {"classifier": Classifier, "generator": Generator}
+APP_KINDS = {"classifier": Classifier, "generator": Generator, "chat": Chat}
 
 
 @dataclass
 class DeploymentPlan:
     model: str
-    kind: str  # classifier | generator
+    kind: str  # classifier | generator | chat
     tracking_uri: str
     serve: ServeSpec
     traffic: dict[str, float]  # version -> weight
@@ -144,7 +145,8 @@ def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:
 
 
 def _version_kind(client, name: str, version: str) -> str:
-    """`generator` for a language model (its signature takes a `prompt`), else `classifier`."""
+    """`chat` for a fine-tuned pretrained model (its run's `model.kind`), `generator` for another
+    language model (its signature takes a `prompt`), else `classifier`."""
     import mlflow
     from mlflow.models import get_model_info
 
@@ -155,7 +157,10 @@ def _version_kind(client, name: str, version: str) -> str:
     except Exception as e:
         raise TrackingError(f"{name} v{version} ({mv.source}) has no readable MLflow model: {e}") from None
     inputs = info.signature.inputs.input_names() if info.signature is not None else []
-    return "generator" if inputs == ["prompt"] else "classifier"
+    if inputs != ["prompt"]:
+        return "classifier"
+    params = client.get_run(mv.run_id).data.params if mv.run_id else {}
+    return "chat" if params.get("model.kind") == "hf_causal_lm" else "generator"
 
 
 def build_application(plan: DeploymentPlan):
@@ -271,6 +276,9 @@ def sample_request(plan: DeploymentPlan) -> tuple[str, dict[str, Any]]:
     """A request the served model accepts: the logged input example (classifier) or a prompt."""
     if plan.kind == "generator":
         return "/generate", {"prompt": "def ", "max_tokens": 48, "temperature": 0.8, "top_k": 20, "seed": 0}
+    if plan.kind == "chat":
+        return "/v1/chat/completions", {"model": plan.model, "messages": [{"role": "user", "content": "What is 2 plus 3?"}],
+                                        "max_tokens": 16, "temperature": 0}
     import tempfile
 
     import mlflow
@@ -328,6 +336,8 @@ def query_endpoint(endpoint: Endpoint) -> tuple[bool, list[str]]:
     answer = response.json()
     if "text" in answer:
         lines.append(f"prompt {body['prompt']!r} -> {answer['text']!r}")
+    elif "choices" in answer:
+        lines.append(f"{body['messages'][-1]['content']!r} -> {answer['choices'][0]['message']['content']!r}")
     else:
         probs = [max(p) for p in answer.get("probabilities") or []]
         shown = ", ".join(f"{pred} (p={p:.2f})" for pred, p in zip(answer["predictions"], probs)) or json.dumps(answer["predictions"])

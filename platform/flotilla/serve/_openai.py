@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Iterable, Iterator, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional, Union
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
@@ -290,10 +290,10 @@ def sse(chunk: BaseModel) -> bytes:
 
 
 def chat_stream(model: str, pieces: Iterable[str], finish: Iterable[FinishReason] | None = None,
-                usage: Usage | None = None) -> Iterator[bytes]:
+                usage: Callable[[], Usage] | None = None) -> Iterator[bytes]:
     """The events of a streamed chat completion: the role, each text piece, the finish reason (the
     one value `finish` yields once `pieces` is exhausted, `stop` by default), the usage chunk when
-    asked for, then [DONE]."""
+    asked for (`usage()`, called after the last piece), then [DONE]."""
     cid, created = new_id("chatcmpl")
 
     def chunk(delta: ChatDelta, reason: FinishReason | None = None) -> bytes:
@@ -306,12 +306,12 @@ def chat_stream(model: str, pieces: Iterable[str], finish: Iterable[FinishReason
             yield chunk(ChatDelta(content=piece))
     yield chunk(ChatDelta(), next(iter(finish or ()), "stop"))
     if usage is not None:
-        yield sse(ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage))
+        yield sse(ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage()))
     yield SSE_DONE
 
 
 def completion_stream(model: str, pieces: Iterable[str], finish: Iterable[FinishReason] | None = None,
-                      usage: Usage | None = None) -> Iterator[bytes]:
+                      usage: Callable[[], Usage] | None = None) -> Iterator[bytes]:
     """The events of a streamed completion, as `chat_stream` (a completion chunk is a `text_completion`)."""
     cid, created = new_id("cmpl")
     for piece in pieces:
@@ -320,7 +320,7 @@ def completion_stream(model: str, pieces: Iterable[str], finish: Iterable[Finish
     yield sse(CompletionResponse(id=cid, created=created, model=model,
                                  choices=[CompletionChoice(text="", finish_reason=next(iter(finish or ()), "stop"))]))
     if usage is not None:
-        yield sse(CompletionResponse(id=cid, created=created, model=model, choices=[], usage=usage))
+        yield sse(CompletionResponse(id=cid, created=created, model=model, choices=[], usage=usage()))
     yield SSE_DONE
 
 

@@ -103,6 +103,13 @@ def load_version(model: str, version: str, tracking_uri: str, factories: tuple[s
     return load_registered_bundle(MlflowClient(tracking_uri), model, version, factories, runtime)
 
 
+def bundle_kind(bundle) -> str:
+    """Which app serves a bundle: `chat` (a fine-tuned pretrained model), `generator` (gpt) or `classifier`."""
+    if bundle.model_spec.get("kind") == "hf_causal_lm":
+        return "chat"
+    return "generator" if bundle.task == "lm" else "classifier"
+
+
 class _ModelServer:
     """What both endpoints share: loading versions, routing, limits, metrics, health."""
 
@@ -168,7 +175,7 @@ class _ModelServer:
             runtime = "torch"  # the ONNX variants run on the CPU
         bundle = load_version(self.model_name, version, self.tracking_uri, self.limits.allow_factories,
                               runtime).to(self.device)
-        kind = "generator" if bundle.task == "lm" else "classifier"
+        kind = bundle_kind(bundle)
         if kind != self.task_kind:
             raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")
         self.warm_up(bundle, config.max_batch_size)
@@ -246,7 +253,7 @@ class _ModelServer:
             version, response = await handler()
             status = response.status_code
         except ApiError as e:
-            response, status = e.response(), e.status
+            response, status = self.error_response(e), e.status
         except Exception:  # a server fault: counted, then answered 500 by the app's handler
             self.m_requests.inc(tags={"model": self.model_name, "version": version, "status": "500"})
             raise
@@ -254,6 +261,10 @@ class _ModelServer:
         self.m_requests.inc(tags={**tags, "status": str(status)})
         self.m_latency.observe((time.perf_counter() - start) * 1000, tags=tags)
         return response
+
+    def error_response(self, error: ApiError) -> Response:
+        """The answer to a refused request (an app may speak another API's error shape)."""
+        return error.response()
 
     async def with_timeout(self, awaitable, what: str):
         timeout = self.limits.request_timeout_s

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible endpoint of a fine-tuned pretrained model (`model.kind: hf_causal_lm`).
+
+    POST {prefix}/v1/chat/completions   {"model": NAME, "messages": [{"role": "user", "content": "..."}]}
+    POST {prefix}/v1/completions        {"model": NAME, "prompt": "..."}
+    GET  {prefix}/v1/models             the served model, as OpenAI lists models
+    GET  {prefix}/                      what is served: versions, aliases, split
+
+A stock OpenAI client works with `base_url="http://HOST:PORT{prefix}/v1"`. Both generate with or
+without `stream` (server-sent events, `data: [DONE]` last), honour `max_tokens` (capped by
+`serve.max_new_tokens` and the model's context), `temperature`, `top_p`, `seed` and `stop`, and
+answer errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Versions,
+canary splits, sticky callers, limits, deadlines and metrics are those of every Flotilla endpoint
+(`flotilla.serve._server`); a stream whose client goes away stops generating at the next token.
+"""
+
+# No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
+import asyncio
+import json
+import threading
+import time
+from typing import Any, Iterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from flotilla.serve._openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    chat_stream,
+    completion_stream,
+    new_id,
+    openai_error,
+)
+from flotilla.serve._server import ApiError, _api, _ModelServer, logger
+
+chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.")
+
+
+class _Generation:
+    """One request's generation, run token by token in a worker thread: text pieces with `stop`
+    strings cut off (text that could begin one is held back until it cannot), and afterwards the
+    finish reason and the token counts. Setting `cancel` ends it after the current token."""
+
+    def __init__(self, bundle, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed, stops):
+        self.bundle, self.ids, self.max_tokens, self.stops = bundle, ids, max_tokens, list(stops or [])
+        self.settings = dict(temperature=temperature, top_p=top_p, seed=seed)
+        self.cancel = threading.Event()
+        self.completion_tokens, self.finish = 0, "stop"
+
+    def _tokens(self) -> Iterator[int]:
+        for token in self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings):
+            if self.cancel.is_set():
+                return
+            self.completion_tokens += 1
+            yield token
+        if self.completion_tokens == self.max_tokens:
+            self.finish = "length"
+
+    def pieces(self) -> Iterator[str]:
+        held = ""
+        for piece in self.bundle.text_pieces(self._tokens()):
+            held += piece
+            cut = min((i for i in (held.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:  # a stop string: the text ends before it
+                self.cancel.set()
+                self.finish = "stop"
+                if held[:cut]:
+                    yield held[:cut]
+                return
+            keep = max((k for s in self.stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+            if len(held) > keep:
+                yield held[:len(held) - keep]
+                held = held[len(held) - keep:]
+        if held:
+            yield held
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.ids), completion_tokens=self.completion_tokens,
+                     total_tokens=len(self.ids) + self.completion_tokens)
+
+
+def _fields(field: str, message: str):
+    from flotilla.serve._schemas import ErrorField
+
+    return [ErrorField(field=field, message=message)]
+
+
+def _finish(generation: _Generation) -> Iterator[str]:
+    """The finish reason, read once the pieces are exhausted (the streams call `next` on it then)."""
+    yield generation.finish
+
+
+# Serve serializes the deployment class when it is decorated: everything its methods use is above.
+@serve.deployment
+@serve.ingress(chat_api)
+class Chat(_ModelServer):
+    task_kind = "chat"
+    example = '{"model": "NAME", "messages": [{"role": "user", "content": "What is 2 plus 3?"}]}'
+
+    def warm_up(self, bundle, rows: int) -> None:
+        list(bundle.generate_ids(bundle.encode("Hi"), max_tokens=1, temperature=0.0))
+
+    def error_response(self, error: ApiError) -> Response:
+        """OpenAI's error shape, which its clients read (`param`: the first field named)."""
+        status, body = openai_error(error.message, error.status)
+        if error.fields:
+            body["error"]["param"] = error.fields[0].field
+        return JSONResponse(body, status_code=status, headers=error.headers)
+
+    @chat_api.get("/", summary="What this endpoint serves")
+    def describe(self) -> dict[str, Any]:
+        return self.info()
+
+    @chat_api.get("/v1/models", summary="The served model, as OpenAI lists models")
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "flotilla"}]}
+
+    @chat_api.post("/v1/chat/completions", summary="The assistant's next message (OpenAI chat completions)")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.answer(request, lambda: self._complete(request, ChatCompletionRequest, chat=True))
+
+    @chat_api.post("/v1/completions", summary="Continue a prompt (OpenAI completions)")
+    async def completions(self, request: Request) -> Response:
+        return await self.answer(request, lambda: self._complete(request, CompletionRequest, chat=False))
+
+    async def _complete(self, request: Request, schema, chat: bool):
+        body = await self.read_body(request, schema)
+        if body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} is not served here; this endpoint serves {self.model_name!r}")
+        version = self.choose(request)
+        bundle = self.bundles[version]
+        ids = self._prompt_ids(bundle, body, chat)
+        max_tokens = self._token_limit(bundle, body, len(ids))
+        generation = _Generation(bundle, ids, max_tokens, body.temperature if body.temperature is not None else 1.0,
+                                 body.top_p if body.top_p is not None else 1.0, body.seed, body.stop)
+        headers = self.headers(version, bundle)
+        if body.stream:
+            stream = chat_stream if chat else completion_stream
+            events = stream(self.model_name, generation.pieces(), _finish(generation),
+                            generation.usage if body.include_usage else None)
+            return version, StreamingResponse(self._send(events, generation, version), media_type="text/event-stream",
+                                              headers=headers)
+        text = await self.with_timeout(self._whole(generation, version), "generation")
+        rid, created = new_id("chatcmpl" if chat else "cmpl")
+        if chat:
+            answer = ChatCompletionResponse(id=rid, created=created, model=self.model_name, usage=generation.usage(),
+                                            choices=[ChatChoice(message=AssistantMessage(content=text),
+                                                                finish_reason=generation.finish)])
+        else:
+            answer = CompletionResponse(id=rid, created=created, model=self.model_name, usage=generation.usage(),
+                                        choices=[CompletionChoice(text=text, finish_reason=generation.finish)])
+        return version, JSONResponse(answer.model_dump(), headers=headers)
+
+    def _prompt_ids(self, bundle, body, chat: bool) -> list[int]:
+        if chat:
+            if not bundle.tokenizer.chat_template:
+                raise ApiError(422, f"{self.model_name}'s tokenizer has no chat template; use /v1/completions")
+            text = bundle.tokenizer.apply_chat_template(body.template_messages(), tokenize=False,
+                                                        add_generation_prompt=True)
+            return bundle.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = len(bundle.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(422, f"invalid request: prompt: token ids must be in [0, {vocab})")
+            return list(prompt)
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        return bundle.encode(text) or [bundle.tokenizer.eos_token_id]
+
+    def _token_limit(self, bundle, body, prompt_tokens: int) -> int:
+        cap = self.limits.max_new_tokens
+        chat = isinstance(body, ChatCompletionRequest)
+        asked = body.token_limit if chat else body.max_tokens
+        field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+        if asked is not None and asked > cap:
+            raise ApiError(422, f"invalid request: {field}: {asked} is above this endpoint's limit of {cap} "
+                                "(serve.max_new_tokens)", _fields(field, f"at most {cap}"))
+        limit = asked or cap
+        room = bundle.max_positions
+        if room is not None and prompt_tokens + limit > room:
+            if prompt_tokens >= room:
+                raise ApiError(422, f"invalid request: the prompt is {prompt_tokens} tokens; the model reads at most "
+                                    f"{room}", _fields("messages" if chat else "prompt",
+                                                       f"at most {room} tokens"))
+            if asked is not None:
+                raise ApiError(422, f"invalid request: {field}: the prompt ({prompt_tokens} tokens) and {asked} more "
+                                    f"exceed the model's context of {room} tokens; ask for at most {room - prompt_tokens}",
+                               _fields(field, f"at most {room - prompt_tokens}"))
+            limit = room - prompt_tokens
+        return limit
+
+    async def _whole(self, generation: _Generation, version: str) -> str:
+        """The whole text, generated in a thread; a timeout (504) or a client that goes away cancels it."""
+        start = time.perf_counter()
+        try:
+            return await asyncio.to_thread(lambda: "".join(generation.pieces()))
+        finally:
+            generation.cancel.set()
+            self._observe(version, generation, start)
+
+    async def _send(self, events: Iterator[bytes], generation: _Generation, version: str):
+        """The stream's events, each produced in a thread. Past `serve.request_timeout_s` the stream
+        ends with an OpenAI-shaped error event; a client that goes away stops the generation."""
+        start = time.perf_counter()
+        timeout = self.limits.request_timeout_s
+        try:
+            while True:
+                if time.perf_counter() - start > timeout:
+                    _, body = openai_error(f"generation took longer than {timeout:g} s (serve.request_timeout_s); "
+                                           "ask for fewer max_tokens", 504)
+                    yield f"data: {json.dumps(body)}\n\n".encode()
+                    return
+                event = await asyncio.to_thread(next, events, None)
+                if event is None:
+                    return
+                yield event
+        except Exception as e:  # the headers are sent: the stream itself says what went wrong
+            logger.exception("stream of %s v%s failed", self.model_name, version)
+            _, body = openai_error(f"generation failed ({type(e).__name__}); see the replica log", 500)
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        finally:
+            generation.cancel.set()
+            self._observe(version, generation, start)
+
+    def _observe(self, version: str, generation: _Generation, start: float) -> None:
+        tags = {"model": self.model_name, "version": version}
+        self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
+        if generation.completion_tokens:
+            self.m_tokens.inc(generation.completion_tokens, tags=tags)
