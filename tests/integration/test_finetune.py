@@ -1,10 +1,11 @@
-"""Fine-tuning a pretrained causal LM (`model.kind: hf_causal_lm`) with LoRA under ZeRO-3 on 2 workers.
+"""Fine-tuning a pretrained causal LM (`model.kind: hf_causal_lm`) with LoRA under ZeRO-3 on 2 workers,
+served OpenAI-style.
 
 Nothing is downloaded: the "pretrained" model is a tiny random-weight Llama with a tokenizer trained
 on the spot (`flotilla.models._hf_tiny`), saved to a temporary directory that `model.pretrained`
 points at. One run of the shipped configs/instruct_lora.yaml (the built-in arithmetic instructions)
 loses a worker after its first checkpoint and resumes; then its bundle, adapter and registration are
-checked against the model it trained.
+checked against the model it trained, and the registered version answers a stock OpenAI client.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from flotilla.spec import load_spec
 from flotilla.train import run_training
+from tests.services import free_port
 
 from ._helpers import ROOT, metric_steps, mlflow_runs, own_ray_processes, store_uri
 
@@ -32,14 +37,27 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged_model(ray_cluster, tiny_llama,
-                                                                                       tmp_path):
-    storage = tmp_path / "runs"
-    spec = load_spec(ROOT / "configs" / "instruct_lora.yaml", [
-        f"model.pretrained={tiny_llama}", f"train.storage_path={storage}", f"track.uri={store_uri(tmp_path)}",
-        "train.zero_stage=3", "train.precision=fp32", "train.epochs=3", "train.lr=0.01", "train.run_name=lora",
-        "train.max_failures=1",
-    ])
+@dataclass
+class FineTuned:
+    spec: object
+    outcome: object
+    store: Path
+    killed: list[int]
+
+
+def instruct_spec(store: Path, tiny_llama: str, *overrides: str):
+    return load_spec(ROOT / "configs" / "instruct_lora.yaml", [
+        f"model.pretrained={tiny_llama}", f"train.storage_path={store / 'runs'}", f"track.uri={store_uri(store)}",
+        *overrides])
+
+
+@pytest.fixture(scope="module")
+def finetuned(ray_cluster, tiny_llama, tmp_path_factory) -> FineTuned:
+    """The LoRA run (ZeRO-3, fp32, 2 workers, 3 epochs) that loses a worker after its first checkpoint."""
+    store = tmp_path_factory.mktemp("finetune")
+    storage = store / "runs"
+    spec = instruct_spec(store, tiny_llama, "train.zero_stage=3", "train.precision=fp32", "train.epochs=3",
+                         "train.lr=0.01", "train.run_name=lora", "train.max_failures=1")
     killed: list[int] = []
 
     def kill_a_worker_after_the_first_checkpoint():
@@ -58,7 +76,11 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
     killer.start()
     outcome = run_training(spec)
     killer.join(timeout=5)
+    return FineTuned(spec, outcome, store, killed)
 
+
+def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged_model(finetuned, tiny_llama):
+    outcome, killed, storage = finetuned.outcome, finetuned.killed, finetuned.store / "runs"
     # The adapters learned: validation loss fell every epoch, across the lost worker's restart,
     # which resumed from the epoch-1 checkpoint instead of starting over.
     history = outcome.history
@@ -114,3 +136,55 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
     prompt = "What is 3 times 4?"
     assert registered.generate(prompt, max_tokens=8, temperature=0, chat=True) == \
         bundle.generate(prompt, max_tokens=8, temperature=0, chat=True)
+
+
+def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llama):
+    from openai import OpenAI, UnprocessableEntityError, NotFoundError
+    from ray import serve
+
+    from flotilla._hf_bundle import load_hf_bundle
+    from flotilla.serve import deploy, plan_deployment
+
+    spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
+                         "serve.max_new_tokens=24")
+    endpoint = deploy(plan_deployment(spec))
+    try:
+        assert endpoint.plan.kind == "chat"
+        client = OpenAI(base_url=endpoint.url + "/v1", api_key="unused", max_retries=0)
+        bundle = load_hf_bundle(finetuned.store / "runs" / "lora" / "bundle")
+        question = [{"role": "user", "content": "What is 12 plus 7?"}]
+        # Greedy: the endpoint's answer is the bundle's own generation, whole or streamed.
+        expected = bundle.generate("What is 12 plus 7?", max_tokens=10, temperature=0, chat=True)
+        answer = client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=10, temperature=0)
+        assert answer.choices[0].message.content == expected
+        assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens <= 10
+        chunks = list(client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=10,
+                                                     temperature=0, stream=True, stream_options={"include_usage": True}))
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert len(pieces) > 2 and "".join(pieces) == expected
+        assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+        # Sampling with a seed repeats itself; a stop string ends the text before it.
+        sampled = [client.completions.create(model="instruct-lora", prompt="What is 3 times 4?", max_tokens=12,
+                                             temperature=1.0, top_p=0.9, seed=7).choices[0].text for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        whole = client.completions.create(model="instruct-lora", prompt="What is 3 times 4?", max_tokens=12,
+                                          temperature=0).choices[0].text
+        assert len(whole) >= 4, repr(whole)
+        stop = whole[2:4]
+        cut = client.completions.create(model="instruct-lora", prompt="What is 3 times 4?", max_tokens=12,
+                                        temperature=0, stop=[stop])
+        assert cut.choices[0].text == whole[:whole.find(stop)] and cut.choices[0].finish_reason == "stop"
+        assert [m.id for m in client.models.list()] == ["instruct-lora"]
+        # What it cannot do is refused in OpenAI's error shape, naming the field.
+        with pytest.raises(UnprocessableEntityError, match="only n=1 is supported"):
+            client.chat.completions.create(model="instruct-lora", messages=question, n=2)
+        with pytest.raises(UnprocessableEntityError, match=r"above this endpoint's limit of 24 \(serve.max_new_tokens\)"):
+            client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=100)
+        with pytest.raises(NotFoundError, match="not served here"):
+            client.chat.completions.create(model="gpt-4o", messages=question)
+        raw = requests.post(endpoint.url + "/v1/chat/completions", json={"model": "instruct-lora", "messages": []},
+                            timeout=30)
+        assert raw.status_code == 422 and raw.json()["error"]["param"] == "messages", raw.text
+        assert raw.headers.get("X-Model-Version") is None
+    finally:
+        serve.shutdown()
