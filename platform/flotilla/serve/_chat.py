@@ -16,6 +16,7 @@ canary splits, sticky callers, limits, deadlines and metrics are those of every 
 # No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
 import asyncio
 import json
+import random
 import threading
 import time
 from typing import Any, Iterator
@@ -52,7 +53,8 @@ class _Generation:
         self.bundle, self.ids, self.max_tokens, self.stops = bundle, ids, max_tokens, list(stops or [])
         self.settings = dict(temperature=temperature, top_p=top_p, seed=seed)
         self.cancel = threading.Event()
-        self.completion_tokens, self.finish = 0, "stop"
+        self.completion_tokens, self.finish, self.text = 0, "stop", ""
+        self.done = False  # the text is complete (not cut short by a timeout or a client gone)
 
     def _tokens(self) -> Iterator[int]:
         for token in self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings):
@@ -72,14 +74,24 @@ class _Generation:
                 self.cancel.set()
                 self.finish = "stop"
                 if held[:cut]:
+                    self.text += held[:cut]
                     yield held[:cut]
+                self.done = True
                 return
             keep = max((k for s in self.stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
             if len(held) > keep:
+                self.text += held[:len(held) - keep]
                 yield held[:len(held) - keep]
                 held = held[len(held) - keep:]
         if held:
+            self.text += held
             yield held
+        self.done = not self.cancel.is_set()
+
+    def again(self, bundle) -> "_Generation":
+        """The same request for another version (shadow mode)."""
+        s = self.settings
+        return _Generation(bundle, self.ids, self.max_tokens, s["temperature"], s["top_p"], s["seed"], self.stops)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.ids), completion_tokens=self.completion_tokens,
@@ -235,3 +247,28 @@ class Chat(_ModelServer):
         self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
         if generation.completion_tokens:
             self.m_tokens.inc(generation.completion_tokens, tags=tags)
+        shadow = self.shadow
+        if shadow is None or not generation.done:
+            return
+        if random.random() * 100 >= shadow.percent or shadow.version not in self.bundles:
+            return
+        if len(self._mirrors) >= shadow.max_in_flight:
+            self.m_shadow.inc(tags={"model": self.model_name, "version": shadow.version, "agree": "dropped"})
+            return
+        task = asyncio.get_running_loop().create_task(self._mirror(shadow.version, generation))
+        self._mirrors.add(task)
+        task.add_done_callback(self._mirrors.discard)
+
+    async def _mirror(self, version: str, primary: _Generation) -> None:
+        """Shadow mode: the answered request again, on the shadow version, once the caller has its
+        answer; whether the texts agree is counted and logged, never returned."""
+        start = time.perf_counter()
+        tags = {"model": self.model_name, "version": version}
+        try:
+            text = await asyncio.to_thread(lambda: "".join(primary.again(self.bundles[version]).pieces()))
+        except Exception as e:  # a shadow failure must never reach a caller
+            logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
+            self.m_shadow.inc(tags={**tags, "agree": "error"})
+            return
+        self.m_shadow.inc(tags={**tags, "agree": "yes" if text == primary.text else "no"})
+        self.m_shadow_latency.observe((time.perf_counter() - start) * 1000, tags=tags)

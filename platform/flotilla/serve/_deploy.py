@@ -124,6 +124,9 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
     kinds = {v: _version_kind(client, name, v) for v in served}
     if len(set(kinds.values())) > 1:
         raise ServeError(f"{name}: the versions to serve are of different kinds {kinds}; one endpoint serves one kind")
+    if shadow is not None and "generator" in kinds.values():
+        raise ServeError(f"serve.shadow: {name} is a gpt model, whose endpoint mirrors no requests (classifiers and "
+                         "fine-tuned pretrained models do); `--set serve.shadow=null`")
     return DeploymentPlan(name, next(iter(kinds.values())), uri, spec.serve, traffic, aliases, shadow)
 
 
