@@ -10,7 +10,7 @@ TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes cluster-local clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune cluster-local clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -54,6 +54,9 @@ benchmark-generate: $(VENV)/.installed ## gpt generation with the KV cache again
 
 benchmark-runtimes: $(VENV)/.installed ## serving by serve.runtime: torch, ONNX and int8 ONNX of one model
 	$(PY) benchmarks/serve_runtimes.py
+
+benchmark-finetune: $(VENV)/.installed ## LoRA fine-tuning tokens/s against a bare transformers + peft loop
+	$(PY) benchmarks/finetune_throughput.py
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py
