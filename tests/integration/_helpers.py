@@ -124,3 +124,36 @@ def tables_spec(storage: Path, source: Path | None = None, overrides: list[str] 
     return digits_spec(storage, "name=tables", "track.model_name=tables", f"data.source={source}", "data.label=answer",
                        "model.hidden=[32]", "train.epochs=6", "train.batch_size=32", "track.gate.require=[]",
                        *overrides)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
+    """`predicate()`'s first truthy value, asked every `interval_s` for up to `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def metrics_text() -> str:
+    """What the session's Ray exports to Prometheus (Serve's replicas' metrics included)."""
+    import ray
+    import requests
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+
+def metric_sum(text: str, name: str, **labels) -> float:
+    """The sum of metric `name`'s series in `text` that carry `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -25,7 +25,7 @@ from flotilla.spec import load_spec
 from flotilla.train import run_training
 from tests.services import free_port
 
-from ._helpers import ROOT, metric_steps, mlflow_runs, own_ray_processes, store_uri
+from ._helpers import ROOT, metric_steps, metric_sum, metrics_text, mlflow_runs, own_ray_processes, store_uri, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -139,6 +139,8 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
 
 
 def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llama):
+    import mlflow
+    from mlflow import MlflowClient
     from openai import OpenAI, UnprocessableEntityError, NotFoundError
     from ray import serve
 
@@ -186,5 +188,22 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
                             timeout=30)
         assert raw.status_code == 422 and raw.json()["error"]["param"] == "messages", raw.text
         assert raw.headers.get("X-Model-Version") is None
+
+        # Shadow mode: v2 (the same weights, registered again) mirrors every answered request, after
+        # the caller has its answer; greedy answers agree.
+        mlflow_client = MlflowClient(store_uri(finetuned.store))
+        v1 = mlflow_client.get_model_version("instruct-lora", "1")
+        mlflow.set_tracking_uri(store_uri(finetuned.store))
+        mlflow_client.create_model_version("instruct-lora", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
+        shadowed = instruct_spec(finetuned.store, tiny_llama, f"serve.port={endpoint.plan.serve.port}",
+                                 "serve.replica.num_cpus=0.5", "serve.shadow.target='2'", "serve.shadow.percent=100")
+        endpoint = deploy(plan_deployment(shadowed))
+        for _ in range(3):
+            again = client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=10,
+                                                   temperature=0)
+            assert again.choices[0].message.content == expected
+        agreed = wait_for(lambda: metric_sum(metrics_text(), "ray_flotilla_shadow_requests_total", version="2",
+                                             agree="yes") >= 3, 60, "three agreeing shadow generations", interval_s=2)
+        assert agreed
     finally:
         serve.shutdown()

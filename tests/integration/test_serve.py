@@ -26,8 +26,8 @@ import requests
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
 from tests.conftest import GPT_TEST
-from tests.integration._helpers import (ROOT, digits_spec, digits_val_rows, haproxy_processes, messy_table, store_uri,
-                                        tables_spec)
+from tests.integration._helpers import (ROOT, digits_spec, digits_val_rows, haproxy_processes, messy_table, metric_sum,
+                                        metrics_text, store_uri, tables_spec, wait_for)
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -125,16 +125,6 @@ def replica_actors(app: str) -> list[str]:
                   if a.class_name.startswith("ServeReplica:" + app + ":"))
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 class Load:
     """Clients sending prediction requests in a loop until stopped; every answer is recorded."""
 
@@ -162,23 +152,6 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=90)
-
-
-def metrics_text() -> str:
-    import ray
-
-    port = ray._private.worker.global_worker.node.metrics_export_port
-    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-
-
-def metric_sum(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # ------------------------------------------------------------------------------ tests
