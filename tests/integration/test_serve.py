@@ -395,25 +395,26 @@ def test_concurrent_requests_are_batched_and_metrics_are_exported(served):
     assert {r.status_code for r in answers} == {200}
     assert {r.headers["X-Model-Version"] for r in answers} == {"1"}  # shadow answers are never returned
 
-    def exported():
+    def exported():  # (digits' series only: other modules' endpoints ran on the same Ray)
         text = metrics_text()
-        shadowed = metric_sum(text, "ray_flotilla_shadow_requests_total", version="2")
-        return text if metric_sum(text, "ray_flotilla_batch_size_count", version="1") and shadowed >= 160 else None
+        shadowed = metric_sum(text, "ray_flotilla_shadow_requests_total", model="digits", version="2")
+        batched = metric_sum(text, "ray_flotilla_batch_size_count", model="digits", version="1")
+        return text if batched and shadowed >= 160 else None
 
     text = wait_for(exported, 90, "flotilla metrics in Ray's Prometheus export", interval_s=3)
-    batches = metric_sum(text, "ray_flotilla_batch_size_count", version="1")
-    requests_in_batches = metric_sum(text, "ray_flotilla_batch_size_sum", version="1")
+    batches = metric_sum(text, "ray_flotilla_batch_size_count", model="digits", version="1")
+    requests_in_batches = metric_sum(text, "ray_flotilla_batch_size_sum", model="digits", version="1")
     # Concurrent requests shared forwards. Ray exports a histogram's `_sum` from its bucket midpoints
     # (a batch of one counts 0.5), so a mean above 1 needs many batches of several requests.
     assert requests_in_batches / batches > 1.0
-    assert metric_sum(text, "ray_flotilla_requests_total", version="1", status="200") >= 160
+    assert metric_sum(text, "ray_flotilla_requests_total", model="digits", version="1", status="200") >= 160
     # The shadow ran, but only in the replica's idle time: under 32 clients most mirrors were dropped
     # instead of doubling the model's work.
-    mirrored = {a: metric_sum(text, "ray_flotilla_shadow_requests_total", version="2", agree=a)
+    mirrored = {a: metric_sum(text, "ray_flotilla_shadow_requests_total", model="digits", version="2", agree=a)
                 for a in ("yes", "no", "error", "dropped")}
     assert mirrored["yes"] + mirrored["no"] >= 1 and mirrored["error"] == 0, mirrored
     assert mirrored["dropped"] >= 1 and sum(mirrored.values()) == 160, mirrored
-    assert metric_sum(text, "ray_flotilla_batch_size_sum", version="2") < requests_in_batches
+    assert metric_sum(text, "ray_flotilla_batch_size_sum", model="digits", version="2") < requests_in_batches
 
 
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(served):
