@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,33 @@ def metric_sum(text: str, name: str, **labels) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.contextmanager
+def worker_killed_after_first_checkpoint(run_dir: Path):
+    """While the block trains the run in `run_dir`, SIGKILL one of its Ray Train workers once Ray Train
+    has registered the epoch-1 checkpoint (it is in the snapshot the controller writes), not merely
+    when its files appear. Yields the list of killed pids (one, or none if it never came to that)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    killed: list[int] = []
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+
+    def kill() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            if snapshot.exists() and "checkpoint_epoch0001" in snapshot.read_text():
+                pids = [p.pid for p in own_ray_processes("ray::RayTrainWorker")]
+                if pids:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    killed.append(pids[-1])
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    yield killed
+    killer.join(timeout=5)

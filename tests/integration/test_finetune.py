@@ -10,10 +10,6 @@ checked against the model it trained, and the registered version answers a stock
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +21,8 @@ from flotilla.spec import load_spec
 from flotilla.train import run_training
 from tests.services import free_port
 
-from ._helpers import ROOT, metric_steps, metric_sum, metrics_text, mlflow_runs, own_ray_processes, store_uri, wait_for
+from ._helpers import (ROOT, metric_steps, metric_sum, metrics_text, mlflow_runs, store_uri, wait_for,
+                       worker_killed_after_first_checkpoint)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,24 +55,8 @@ def finetuned(ray_cluster, tiny_llama, tmp_path_factory) -> FineTuned:
     storage = store / "runs"
     spec = instruct_spec(store, tiny_llama, "train.zero_stage=3", "train.precision=fp32", "train.epochs=3",
                          "train.lr=0.01", "train.run_name=lora", "train.max_failures=1")
-    killed: list[int] = []
-
-    def kill_a_worker_after_the_first_checkpoint():
-        deadline = time.monotonic() + 600
-        snapshot = storage / "lora" / "checkpoint_manager_snapshot.json"
-        while time.monotonic() < deadline and not killed:
-            if snapshot.exists() and "checkpoint_epoch0001" in snapshot.read_text():
-                pids = [p.pid for p in own_ray_processes("ray::RayTrainWorker")]
-                if pids:
-                    os.kill(pids[-1], signal.SIGKILL)
-                    killed.append(pids[-1])
-                    return
-            time.sleep(0.1)
-
-    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, daemon=True)
-    killer.start()
-    outcome = run_training(spec)
-    killer.join(timeout=5)
+    with worker_killed_after_first_checkpoint(storage / "lora") as killed:
+        outcome = run_training(spec)
     return FineTuned(spec, outcome, store, killed)
 
 

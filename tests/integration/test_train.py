@@ -10,7 +10,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ import pytest
 from flotilla.bundle import load_bundle
 from flotilla.train import checkpoint_problems, run_training
 
-from ._helpers import DIGITS, ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs, own_ray_processes, store_uri
+from ._helpers import (DIGITS, ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs,
+                       own_ray_processes, store_uri, worker_killed_after_first_checkpoint)
 
 pytestmark = pytest.mark.integration
 
@@ -60,10 +60,6 @@ def test_gpt_trains_with_activation_checkpointing(ray_cluster, gpt_champion):
     assert runs[0].data.tags["flotilla.precision"] == "fp32"
 
 
-def _train_worker_pids() -> list[int]:
-    return [p.pid for p in own_ray_processes("ray::RayTrainWorker")]
-
-
 @dataclass
 class FaultyRun:
     storage: Path
@@ -79,26 +75,8 @@ def faulty_run(ray_cluster, tmp_path_factory) -> FaultyRun:
     storage = tmp_path_factory.mktemp("faulty")
     spec = digits_spec(storage, "train.epochs=4", "train.run_name=faulty", "train.max_failures=2", "train.precision=fp32",
                        "train.zero_stage=3")
-    killed: list[int] = []
-
-    def kill_a_worker_after_the_first_checkpoint():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not killed:
-            # Kill once Ray Train has registered the epoch-1 checkpoint (it is in the snapshot the
-            # controller writes), not merely when its files appear.
-            snapshot = storage / "faulty" / "checkpoint_manager_snapshot.json"
-            if snapshot.exists() and "checkpoint_epoch0001" in snapshot.read_text():
-                pids = _train_worker_pids()
-                if pids:
-                    os.kill(pids[-1], signal.SIGKILL)
-                    killed.append(pids[-1])
-                    return
-            time.sleep(0.1)
-
-    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, daemon=True)
-    killer.start()
-    outcome = run_training(spec)
-    killer.join(timeout=5)
+    with worker_killed_after_first_checkpoint(storage / "faulty") as killed:
+        outcome = run_training(spec)
     return FaultyRun(storage, spec, outcome, killed)
 
 
