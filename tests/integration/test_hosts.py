@@ -187,7 +187,7 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts):
 # ------------------------------------------------------------------ the lifecycle
 def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
     # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
-    epochs = 12  # ~1 s each here: the host is lost after epoch 2, with 10 to go
+    epochs = 6  # 1-2 s each here: the host is lost after epoch 2, with 4 to go
     out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
                  "train.run_name=across", "--set", f"train.epochs={epochs}", "--set", "train.placement=spread",
                  wait=False, timeout=120)

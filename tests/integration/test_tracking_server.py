@@ -26,7 +26,7 @@ from flotilla import load_spec
 from flotilla.track import champion_history
 from tests.services import free_port, mlflow_server_process, postgres_server
 
-from ._helpers import ROOT, digits_val_rows, metric_steps, mlflow_runs
+from ._helpers import ROOT, digits_val_rows, metric_steps, mlflow_runs, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -98,6 +98,14 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
 
     try:
         both_reached(2)
+        # Logged while the runs train (the driver reads what Ray Train's controller hands over):
+        # the first epoch of each is in MLflow before either run ends.
+        def first_epochs_logged() -> bool:
+            client, runs = mlflow_runs(url, "shared")
+            return len(runs) == 2 and all(1 in metric_steps(client, r.info.run_id) for r in runs)
+
+        wait_for(first_epochs_logged, 60, "epoch 1 of both runs in MLflow while they train")
+        assert all(p.poll() is None for p in procs), "a run ended before its live metrics were checked"
         tracking_server.kill()
         down = time.time()
         # The slower run trains three epochs or more with nobody to log them to (the faster one what

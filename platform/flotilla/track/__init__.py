@@ -2,7 +2,7 @@
 
     tracker = open_tracker(spec, run_name)      # checks the tracking URI before anything runs
     tracker.start(prepared, run_dir)            # params, tags, spec, input dataset
-    TorchTrainer(..., run_config=RunConfig(callbacks=[tracker.callback()]))   # per-epoch metrics
+    with tracker.epoch_logger().watching(fs, run_dir + "/epoch_metrics"): trainer.fit()   # per-epoch metrics
     registration = tracker.finish(outcome, prepared, wall_time_s)   # curves, model, registry, gate
 
     set_alias(client, "digits", "champion", "3"); rollback_champion(client, "digits")

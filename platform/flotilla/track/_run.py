@@ -2,15 +2,16 @@
 
 The driver creates (or, for a run name it has seen before, reopens) the MLflow run, logs the
 spec, tags and input dataset, and at the end the artifacts, the pyfunc model and the registry
-entry. Per-epoch metrics are logged live by a Ray Train callback that runs in the controller
-actor, which Ray Train places on the driver's node, from a thread of its own (training never waits
-on MLflow); workers never talk to MLflow. Each epoch is logged once, with the epoch as its step:
-after a worker restart or a driver re-run the epochs already in MLflow are skipped, and the driver
-fills in any epoch the callback could not log.
+entry. Per-epoch metrics are logged live by the driver too, from a thread of its own (training never
+waits on MLflow): Ray Train's controller hands each reported epoch over through the run's storage
+(`flotilla._epochs`), so neither it nor the workers ever talk to MLflow. Each epoch is logged once,
+with the epoch as its step: after a worker restart or a driver re-run the epochs already in MLflow
+are skipped, and the end of the run fills in any epoch that could not be logged live.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -25,12 +26,13 @@ from typing import Any
 
 import mlflow
 import pandas as pd
-import ray.train
+import pyarrow.fs as pafs
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 import flotilla
+from flotilla._epochs import read_new
 from flotilla._hf_bundle import weights_file
 from flotilla.bundle import file_sha256
 from flotilla.redact import redact
@@ -72,16 +74,20 @@ class Registration:
         return f"registered {self.model_name} v{self.version} ({aliases}); gate {self.gate.summary()}"
 
 
-class EpochMetricsLogger(ray.train.UserCallback):
-    """Logs each epoch's metrics (rank 0's; they are reduced across ranks) with step = epoch.
+class EpochMetricsLogger:
+    """Logs each epoch's metrics with step = epoch, from the driver.
 
-    Training never waits on MLflow: `after_report` queues the epoch and returns, and a thread of
-    this process sends it (with MLflow's own retries; after they give up, again every few seconds).
-    A tracking server that is down for a while delays the metrics, not the epochs. Each point
-    carries the time its epoch ended, so the driver, which fills in at the end whatever is still
-    missing, writes the very points this thread may yet send, and MLflow's store keeps one of each."""
+    Ray Train's controller hands every reported epoch over through the run's storage
+    (`flotilla._epochs.EpochRelay`); `watching` reads them while the run trains. A one-worker trial
+    that trains in this process calls `record` instead. Training never waits on MLflow: epochs are
+    queued, and a thread of this process sends them (with MLflow's own retries; after they give up,
+    again every few seconds). A tracking server that is down for a while delays the metrics, not
+    the epochs. Each point carries the time its epoch ended, so the end of the run, which fills in
+    whatever is still missing, writes the very points this thread may yet send, and MLflow's store
+    keeps one of each."""
 
     RETRY_S = 5.0
+    POLL_S = 1.0
 
     def __init__(self, uri: str, run_id: str, logged_steps: set[int]):
         self.uri, self.run_id, self.logged_steps = uri, run_id, set(logged_steps)
@@ -89,16 +95,8 @@ class EpochMetricsLogger(ray.train.UserCallback):
         self._pending = 0  # epochs queued and not yet in MLflow
         self._sent = threading.Condition()
 
-    def __getstate__(self):  # sent to Ray Train's controller: without the thread and its queue
-        return {"uri": self.uri, "run_id": self.run_id, "logged_steps": self.logged_steps}
-
-    def __setstate__(self, state):
-        self.__init__(state["uri"], state["run_id"], state["logged_steps"])
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics:
-            return
-        step = int(metrics[0].get("epoch", 0))
+    def record(self, metrics: dict[str, Any]) -> None:
+        step = int(metrics.get("epoch", 0))
         if step in self.logged_steps:
             return  # re-reported after a resume: the history keeps one point per epoch
         self.logged_steps.add(step)
@@ -107,7 +105,34 @@ class EpochMetricsLogger(ray.train.UserCallback):
             threading.Thread(target=self._send_forever, name="flotilla-epoch-metrics", daemon=True).start()
         with self._sent:
             self._pending += 1
-        self._queue.put((step, epoch_metrics(metrics[0])))
+        self._queue.put((step, epoch_metrics(metrics)))
+
+    @contextlib.contextmanager
+    def watching(self, fs: pafs.FileSystem, directory: str):
+        """While the block runs, record every epoch that `EpochRelay` writes under `directory` (a
+        path on `fs`), looking every POLL_S seconds; once more when it ends."""
+        stop, seen = threading.Event(), set()
+
+        def look() -> None:
+            try:
+                for _, metrics in read_new(fs, directory, seen):
+                    self.record(metrics)
+            except Exception as e:  # storage trouble: the end of the run fills the epochs in
+                print(f"WARNING: could not read the epochs' metrics under {directory} ({redact(summarize(e, 200))})",
+                      flush=True)
+
+        def poll() -> None:
+            while not stop.wait(self.POLL_S):
+                look()
+
+        watcher = threading.Thread(target=poll, name="flotilla-epoch-watcher", daemon=True)
+        watcher.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            watcher.join()
+            look()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the queued epochs to reach MLflow; whether they all did."""
@@ -198,7 +223,7 @@ class Tracker:
         print(f"[{self.run_name}] MLflow run {self.run_id} ({how}) in experiment {self.experiment_name!r} at "
               f"{redact(self.uri)}", flush=True)
 
-    def callback(self) -> EpochMetricsLogger:
+    def epoch_logger(self) -> EpochMetricsLogger:
         return EpochMetricsLogger(self.uri, self.run_id, self.logged_steps)
 
     # ----------------------------------------------------------------- finish

@@ -18,6 +18,7 @@ from ray import tune
 from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
+from flotilla._epochs import EPOCHS_DIR, EpochRelay
 from flotilla.bundle import read_bundle_metrics
 from flotilla.cluster import (
     ResourceUse,
@@ -123,14 +124,19 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
         train_rows=prepared.train_rows, run_name=run_name,
     )
-    epoch_logger = tracker.callback() if tracker is not None else None
+    epoch_logger = tracker.epoch_logger() if tracker is not None else None
     fit_started = time.monotonic()
     try:
         if in_trial and t.num_workers == 1:
             checkpoint = _fit_here(config, prepared, fs, f"{storage_root}/{run_name}", epoch_logger)
         else:
-            callbacks = ([epoch_logger] if epoch_logger else []) + ([TuneReportCallback()] if in_trial else [])
-            checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
+            # The controller hands each epoch to this process, which logs it to MLflow as it comes.
+            callbacks = ([EpochRelay(f"{storage}/{run_name}")] if epoch_logger else []) + \
+                        ([TuneReportCallback()] if in_trial else [])
+            watching = epoch_logger.watching(fs, f"{storage_root}/{run_name}/{EPOCHS_DIR}") if epoch_logger \
+                else contextlib.nullcontext()
+            with watching:
+                checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
     except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
         use = run_resources(spec, time.monotonic() - fit_started)
         if in_trial and isinstance(e, SystemExit) and not e.code:
@@ -173,8 +179,7 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         resources=use,
     )
     if tracker is not None:
-        # A one-worker trial logged its epochs from a thread of this process: give it a moment to
-        # finish (with Ray Train they were logged from its controller, and this returns at once).
+        # The epochs are logged from a thread of this process: give it a moment to finish.
         epoch_logger.flush(timeout_s=10)
         outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
         with local_copy(fs, bundle_fs_path) as local_bundle:
@@ -225,7 +230,7 @@ def _fit_here(config: WorkerConfig, prepared, fs: pafs.FileSystem, run_root: str
 
     def on_report(metrics: dict[str, Any]) -> None:
         if epoch_logger is not None:
-            epoch_logger.after_report(None, [metrics], None)
+            epoch_logger.record(metrics)
         tune.report(metrics)
 
     session = InProcess({"train": prepared.train, "val": prepared.val}, fs, run_root,
