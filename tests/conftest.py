@@ -50,10 +50,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """test_serve_proxy.py runs last: the ingress is chosen when Ray starts, so the module shuts
-    the session's Ray (HAProxy ingress, the default) down for one with Serve's Python proxy, and
-    every module after it would start the session's Ray again (~15 s). Otherwise the order is the
-    files' (a stable sort)."""
+    """Otherwise in the files' order:
+    - test_monitoring.py runs first of the modules on the session's local Ray: the session's
+      Prometheus watches from before `digits_champion` trains until that module is done with it,
+      and no longer (see `prometheus`);
+    - test_serve_proxy.py runs last: the ingress is chosen when Ray starts, so the module shuts the
+      session's Ray (HAProxy ingress, the default) down for one with Serve's Python proxy, and every
+      module after it would start the session's Ray again (~15 s)."""
+    monitoring = [item for item in items if "test_monitoring.py" in item.nodeid]
+    rest = [item for item in items if "test_monitoring.py" not in item.nodeid]
+    first = next((k for k, item in enumerate(rest) if lane(item.nodeid) == "session-ray"), len(rest))
+    items[:] = rest[:first] + monitoring + rest[first:]
     items.sort(key=lambda item: "test_serve_proxy.py" in item.nodeid)
 
 
@@ -136,11 +143,23 @@ class TrainedModel:
         return f"sqlite:///{directory}/mlflow.db"
 
 
+@dataclass
+class Prometheus:
+    """A running Prometheus: its URL, and `stop()` for the module that is done with it."""
+
+    url: str
+    stop: object
+
+
 @pytest.fixture(scope="session")
 def prometheus(_ray_session):
-    """A real Prometheus, configured from ops/prometheus.yml as shipped (scraping every second), that
+    """A real Prometheus, configured from ops/prometheus.yml as shipped (scraping every 2 s), that
     watches the session's local Ray from before its first training run: test_monitoring queries
-    what `digits_champion`'s run exported, with no training run of its own."""
+    what `digits_champion`'s run exported, with no training run of its own, and then stops it. (Each
+    scrape makes Ray's metrics agent render every series the session has exported, which grows
+    with every run and endpoint: scraped every second to the end of the suite, the agent burned a
+    core for most of it, 18 CPU-minutes in one run.)"""
+    import contextlib
     import time
 
     import yaml
@@ -156,12 +175,13 @@ def prometheus(_ray_session):
         assert time.monotonic() < deadline, f"Ray never wrote {discovery}"
         time.sleep(1)
     config = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = "1s"
+    config["global"]["scrape_interval"] = "2s"
     sd = config["scrape_configs"][0]["file_sd_configs"][0]
     assert sd["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]  # Ray's default temp dir
     sd["files"], sd["refresh_interval"] = [str(discovery)], "2s"
-    with prometheus_server(config) as url:
-        yield url
+    with contextlib.ExitStack() as running:
+        url = running.enter_context(prometheus_server(config))
+        yield Prometheus(url, running.close)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,13 @@ def wait_for_value(url: str, expr: str, timeout_s: float = 60) -> float:
         time.sleep(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _prometheus_stops_after_this_module(prometheus):
+    """The session's Prometheus has served its purpose once these tests ran (tests/conftest.py)."""
+    yield
+    prometheus.stop()
+
+
 @pytest.fixture(scope="module")
 def trained(prometheus, digits_champion):
     # The session's champion run (tests/conftest.py), trained while `prometheus` scraped the cluster.
@@ -43,17 +50,17 @@ def test_training_metrics_reach_prometheus(prometheus, trained):
     spec, outcome = trained
     run = f'run="{outcome.run_name}"'
     # Per-rank throughput, summed over ranks: positive and of the order the run itself reported.
-    throughput = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_per_s{{{run}}}))[1h:1s])")
+    throughput = wait_for_value(prometheus.url, f"max_over_time((sum by (run) (ray_flotilla_train_samples_per_s{{{run}}}))[1h:1s])")
     best_epoch = max(m["samples_per_s"] for m in outcome.history)
     assert 0 < throughput < 3 * best_epoch, (throughput, best_epoch)
     # Samples counted by the ranks: at least one exported epoch, never more than the run processed.
-    samples = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_samples_total{{{run}}}))[1h:1s])")
+    samples = wait_for_value(prometheus.url, f"max_over_time((sum by (run) (ray_flotilla_train_samples_total{{{run}}}))[1h:1s])")
     assert 0 < samples <= spec.train.epochs * 1445, samples  # 1445 train rows per epoch
-    loss = wait_for_value(prometheus, f"min_over_time((avg by (run) (ray_flotilla_train_loss{{{run}}}))[1h:1s])")
+    loss = wait_for_value(prometheus.url, f"min_over_time((avg by (run) (ray_flotilla_train_loss{{{run}}}))[1h:1s])")
     assert 0 < loss < 2.5, loss  # cross-entropy over 10 classes starts near ln(10) = 2.3 and falls
-    steps = wait_for_value(prometheus, f"max_over_time((sum by (run) (ray_flotilla_train_step_seconds_count{{{run}}}))[1h:1s])")
+    steps = wait_for_value(prometheus.url, f"max_over_time((sum by (run) (ray_flotilla_train_step_seconds_count{{{run}}}))[1h:1s])")
     assert steps > 0
-    ranks = query(prometheus, f"count by (run) (last_over_time(ray_flotilla_train_loss{{{run}}}[1h]))")
+    ranks = query(prometheus.url, f"count by (run) (last_over_time(ray_flotilla_train_loss{{{run}}}[1h]))")
     assert float(ranks[0]["value"][1]) == spec.train.num_workers
 
 
@@ -74,11 +81,11 @@ def test_serving_metrics_reach_prometheus(prometheus, trained):
             assert r.status_code == 200, r.text
         assert requests.post(app.url + "/predict", json={"instances": []}, timeout=60).status_code == 422
         ok = 'model="digits", version="1", status="200"'
-        assert wait_for_value(prometheus, f"sum(ray_flotilla_requests_total{{{ok}}}) >= 12") >= 12
-        assert wait_for_value(prometheus, 'sum(ray_flotilla_requests_total{model="digits", status="422"})') >= 1
-        assert wait_for_value(prometheus, 'sum(ray_flotilla_forward_latency_ms_count{model="digits"})') >= 1
-        assert wait_for_value(prometheus, "sum(ray_serve_deployment_replica_healthy)") >= 1
-        check_dashboard_queries(prometheus)
+        assert wait_for_value(prometheus.url, f"sum(ray_flotilla_requests_total{{{ok}}}) >= 12") >= 12
+        assert wait_for_value(prometheus.url, 'sum(ray_flotilla_requests_total{model="digits", status="422"})') >= 1
+        assert wait_for_value(prometheus.url, 'sum(ray_flotilla_forward_latency_ms_count{model="digits"})') >= 1
+        assert wait_for_value(prometheus.url, "sum(ray_serve_deployment_replica_healthy)") >= 1
+        check_dashboard_queries(prometheus.url)
     finally:
         serve.shutdown()
 

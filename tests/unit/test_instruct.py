@@ -118,3 +118,14 @@ def test_bad_messages_and_templates_say_what_to_change(tiny_llama, tmp_path):
         TokenWindows(str(rewriting), context=32)({"messages": np.array([[
             {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]], dtype=object)})
+
+
+def test_the_cache_estimate_counts_padded_token_windows():
+    from flotilla.data._prepare import windows_bytes
+
+    # 10,000 chat rows of ~200 bytes pad to 2,048 positions each: 328 MB of windows from 2 MB of
+    # JSON, which no fixed expansion of the input size foresees.
+    assert windows_bytes(10_000, 2_000_000, 2048, "messages") == 10_000 * 2048 * 16
+    assert windows_bytes(10_000, 2_000_000, 2048, "prompt_response") == 10_000 * 2048 * 16
+    # Packed text: at most one token per input byte, whatever the row count.
+    assert windows_bytes(3, 2_000_000, 2048, "text") == 2_000_000 * 16

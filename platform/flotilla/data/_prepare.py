@@ -157,6 +157,9 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         return ds_side
 
     train, val = transform(train), transform(val)
+    if cache and pretrained and d.cache == "auto":
+        # Token windows are padded to the context: a short chat row becomes context x 16 bytes.
+        cache = _windows_fit(ds.count(), input_bytes, spec.model.context, row_format)
     if cache:
         # Preprocessed once into the object store (not the driver): epochs then cost only
         # the training, not a re-read and re-transform on the same cores.
@@ -291,6 +294,23 @@ def _should_cache(policy: str, input_bytes: int, text: bool) -> bool:
         return policy == "always"
     store = ray.cluster_resources().get("object_store_memory", 0)
     return input_bytes * _EXPANSION[text] < 0.25 * store
+
+
+# A token window holds `input_ids` and `labels`, one int64 each per position.
+_WINDOW_BYTES_PER_TOKEN = 16
+
+
+def windows_bytes(rows: int, input_bytes: int, context: int, row_format: str) -> int:
+    """What the token windows of a pretrained model's data take, estimated: one window of `context`
+    positions per prompt/response or chat row; packed text at most one token per input byte."""
+    if row_format == "text":
+        return input_bytes * _WINDOW_BYTES_PER_TOKEN
+    return rows * context * _WINDOW_BYTES_PER_TOKEN
+
+
+def _windows_fit(rows: int, input_bytes: int, context: int, row_format: str) -> bool:
+    store = ray.cluster_resources().get("object_store_memory", 0)
+    return windows_bytes(rows, input_bytes, context, row_format) + 2 * input_bytes < 0.25 * store
 
 
 def _read(source: ResolvedSource, in_driver: bool = False) -> ray.data.Dataset:

@@ -116,7 +116,8 @@ class DataSpec(_Section):
         "auto",
         description="Keep the source as read and the preprocessed splits in Ray's object store instead "
         "of re-reading and re-transforming the source for every fit and every epoch. `auto` caches when the estimate is under a quarter of "
-        "the object store; larger data always streams.",
+        "the object store (for a pretrained model's token windows: `model.context` x 16 bytes per prompt/response or chat row); "
+        "larger data always streams.",
     )
     max_bytes: Optional[int] = Field(
         2_000_000,
