@@ -7,6 +7,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -148,7 +149,7 @@ class Prometheus:
     """A running Prometheus: its URL, and `stop()` for the module that is done with it."""
 
     url: str
-    stop: object
+    stop: Callable[[], None]
 
 
 @pytest.fixture(scope="session")

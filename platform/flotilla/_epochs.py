@@ -1,7 +1,7 @@
 """Each epoch's metrics on their way from Ray Train's controller to the driver, through the run's storage.
 
-    callbacks=[EpochRelay(run_dir)]             # in Ray Train's controller: one small JSON file per epoch
-    for step, metrics in read_new(fs, directory, seen): ...   # in the driver: the epochs not seen yet
+    callbacks=[EpochRelay(fs, directory)]        # in Ray Train's controller: one small JSON file per epoch
+    for metrics in read_new(fs, directory, seen): ...   # in the driver: the epochs not seen yet
 
 The driver owns the MLflow run and logs what this relays (flotilla.track.EpochMetricsLogger). The
 controller only writes files where the run keeps its checkpoints (storage every node reaches), so
@@ -23,25 +23,20 @@ EPOCHS_DIR = "epoch_metrics"
 _NAME = re.compile(r"epoch_(\d{4,})\.json$")
 
 
-def _filesystem(location: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in location:
-        return pafs.FileSystem.from_uri(location)
-    return pafs.LocalFileSystem(), location
-
-
 class EpochRelay(ray.train.UserCallback):
     """Writes each reported epoch (rank 0's metrics; they are reduced across ranks) to
-    `<run_dir>/epoch_metrics/epoch_NNNN.json`. `run_dir` is a URI or an absolute local path. A
-    write that fails is said and skipped: the driver fills in every epoch at the end of the run."""
+    `<directory>/epoch_NNNN.json`, `directory` a path on `fs` (the driver's own filesystem object,
+    pickled to the controller). A write that fails is said and skipped: the driver fills in every
+    epoch at the end of the run."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir.rstrip("/")
+    def __init__(self, fs: pafs.FileSystem, directory: str):
+        self.fs, self.directory = fs, directory
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if not metrics:
             return
         step = int(metrics[0].get("epoch", 0))
-        fs, root = _filesystem(f"{self.run_dir}/{EPOCHS_DIR}")
+        fs, root = self.fs, self.directory
         final, partial = f"{root}/epoch_{step:04d}.json", f"{root}/.epoch_{step:04d}.json.partial"
         try:
             fs.create_dir(root, recursive=True)
@@ -55,9 +50,9 @@ class EpochRelay(ray.train.UserCallback):
                   "they are logged when the run ends", flush=True)
 
 
-def read_new(fs: pafs.FileSystem, directory: str, seen: set[int]) -> list[tuple[int, dict[str, Any]]]:
-    """The epochs under `directory` (a path on `fs`) whose step is not in `seen`, oldest first;
-    their steps are added to `seen`."""
+def read_new(fs: pafs.FileSystem, directory: str, seen: set[int]) -> list[dict[str, Any]]:
+    """The metrics of the epochs under `directory` (a path on `fs`) whose step is not in `seen`,
+    oldest first; their steps are added to `seen`."""
     found = fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
     new = []
     for info in sorted(found, key=lambda i: i.base_name):
@@ -65,7 +60,6 @@ def read_new(fs: pafs.FileSystem, directory: str, seen: set[int]) -> list[tuple[
         if not match or int(match.group(1)) in seen:
             continue
         with fs.open_input_stream(info.path) as f:
-            metrics = json.loads(f.read())
+            new.append(json.loads(f.read()))
         seen.add(int(match.group(1)))
-        new.append((int(match.group(1)), metrics))
     return new

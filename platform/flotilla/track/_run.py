@@ -115,7 +115,7 @@ class EpochMetricsLogger:
 
         def look() -> None:
             try:
-                for _, metrics in read_new(fs, directory, seen):
+                for metrics in read_new(fs, directory, seen):
                     self.record(metrics)
             except Exception as e:  # storage trouble: the end of the run fills the epochs in
                 print(f"WARNING: could not read the epochs' metrics under {directory} ({redact(summarize(e, 200))})",

@@ -131,10 +131,10 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
             checkpoint = _fit_here(config, prepared, fs, f"{storage_root}/{run_name}", epoch_logger)
         else:
             # The controller hands each epoch to this process, which logs it to MLflow as it comes.
-            callbacks = ([EpochRelay(f"{storage}/{run_name}")] if epoch_logger else []) + \
+            epochs_dir = f"{storage_root}/{run_name}/{EPOCHS_DIR}"
+            callbacks = ([EpochRelay(fs, epochs_dir)] if epoch_logger else []) + \
                         ([TuneReportCallback()] if in_trial else [])
-            watching = epoch_logger.watching(fs, f"{storage_root}/{run_name}/{EPOCHS_DIR}") if epoch_logger \
-                else contextlib.nullcontext()
+            watching = epoch_logger.watching(fs, epochs_dir) if epoch_logger else contextlib.nullcontext()
             with watching:
                 checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
     except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
