@@ -18,6 +18,7 @@ Extra arguments after `--` go to pipelines/train.py (e.g. `-- --set train.epochs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,10 +39,13 @@ BIN = Path(sys.executable).parent
 TAG = "[local-cluster]"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (each socket stays bound until all are picked, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def say(message: str) -> None:
@@ -70,10 +74,11 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 180) -> None:
         # Ports of its own throughout: another local Ray may hold the defaults.
-        ports = [f"--{name}={_free_port()}" for name in (
-            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-            "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
-        )]
+        names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+                 "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
+        taken = {self.gcs_port, self.dashboard_port}
+        free = [port for port in _free_ports(len(names) + 2) if port not in taken]
+        ports = [f"--{name}={port}" for name, port in zip(names, free)]
         self.proc = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=0", f"--port={self.gcs_port}",
              f"--autoscaling-config={self.config}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
@@ -88,7 +93,9 @@ class LocalCluster:
             if probe.returncode == 0:
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited; see {self.log.name}")
+                self.log.flush()
+                tail = "".join(Path(self.log.name).read_text().splitlines(keepends=True)[-30:])
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}; the end of {self.log.name}:\n{tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the head did not come up in {timeout_s:.0f} s: {probe.stderr[-1000:]}")
             time.sleep(2)
@@ -146,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Short: unix socket paths under the temp dir are limited to ~100 characters.
     temp_dir = Path(args.temp_dir or tempfile.mkdtemp(prefix="flotilla-fake-", dir="/tmp"))
-    cluster = LocalCluster(Path(args.config), temp_dir, args.gcs_port or _free_port(),
-                           args.dashboard_port or _free_port(), temp_dir / "ray_start.log")
+    gcs_port, dashboard_port = _free_ports(2)
+    cluster = LocalCluster(Path(args.config), temp_dir, args.gcs_port or gcs_port,
+                           args.dashboard_port or dashboard_port, temp_dir / "ray_start.log")
     seen: dict[str, int] = {}
     ok = False
     try:

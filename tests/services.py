@@ -22,9 +22,16 @@ import requests
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (each socket stays bound until all are picked, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _pg_binary(name: str) -> str | None:
@@ -67,6 +74,11 @@ def postgres_server(database: str = "mlflow"):
         shutil.rmtree(root, ignore_errors=True)
 
 
+# As cluster.yaml starts it: without MLflow's server-side job runners (Flotilla uses none), whose
+# consumer processes cost ~30 CPU-seconds each time a server starts.
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @contextlib.contextmanager
 def mlflow_server_process(backend_store_uri: str, artifacts: Path, timeout_s: float = 180, port: int | None = None):
     """Yield the URL of an `mlflow server` on 127.0.0.1 with the given stores, and its process (the
@@ -78,15 +90,17 @@ def mlflow_server_process(backend_store_uri: str, artifacts: Path, timeout_s: fl
     with _running([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                    "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts),
                    "--workers", "2"],
-                  f"{url}/health", log, "mlflow server", timeout_s) as proc:
+                  f"{url}/health", log, "mlflow server", timeout_s, env=MLFLOW_SERVER_ENV) as proc:
         yield url, proc
 
 
 @contextlib.contextmanager
-def _running(command: list[str], ready_url: str, log_path: Path, name: str, timeout_s: float):
+def _running(command: list[str], ready_url: str, log_path: Path, name: str, timeout_s: float,
+             env: dict[str, str] | None = None):
     """Run `command` in a session of its own until the block ends; enter once `ready_url` answers 200."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.services import free_ports
+
 from ._helpers import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -22,24 +23,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def head_node(tmp_path_factory):
     """A one-node cluster from `ray start --head --block`, in a temp dir of its own so no other
     test's `ray.init()` finds it; stopped by signalling exactly the processes it started."""
     temp_dir = Path("/tmp") / f"flotilla-ray-{os.getpid()}"  # short: unix socket paths are limited
-    gcs_port, dashboard_port = _free_port(), _free_port()
     # Every fixed port of its own: the session's local Ray already holds the defaults
     # (the dashboard agent's 52365 among them), and a second agent on it never registers.
-    ports = [f"--{name}={_free_port()}" for name in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-        "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
-    )]
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
+    gcs_port, dashboard_port, *free = free_ports(2 + len(names))
+    ports = [f"--{name}={port}" for name, port in zip(names, free)]
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
     for name in ("MLFLOW_TRACKING_URI", "FLOTILLA_STORAGE_PATH"):  # a cluster with nothing set: a plain `ray start`

@@ -150,5 +150,6 @@ def test_every_node_gets_the_clusters_tracking_server_and_storage(cluster):
     (server,) = [c for c in cluster["head_start_ray_commands"] if "mlflow server" in c]
     assert "--host $(hostname -I | cut -d' ' -f1) --port 5000" in server  # the private address, not all interfaces
     assert "--artifacts-destination" in server and "--backend-store-uri sqlite:///" in server
+    assert server.startswith("mkdir") and "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false nohup mlflow server" in server
     assert cluster["head_start_ray_commands"].index(server) < cluster["head_start_ray_commands"].index(
         next(c for c in cluster["head_start_ray_commands"] if "ray start" in c))

@@ -5,7 +5,6 @@ The registry tests use a real MLflow SQLite store with real (tiny) model version
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from flotilla.track import (
     rollback_champion,
     set_alias,
 )
+from tests.services import free_port
 from flotilla.track._curves import plot_training_curves
 from flotilla.track._gate import compare_with_champion
 
@@ -115,14 +115,8 @@ def test_default_store_is_mlflows_own_default_in_the_working_directory(tmp_path,
     assert resolve_tracking_uri(None) == ("http://127.0.0.1:5000", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_fails_fast_naming_the_uri():
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(TrackingError, match=f"track.uri '{uri}': cannot reach the MLflow tracking server"):
         check_tracking_uri(uri)
