@@ -71,3 +71,18 @@ def test_a_failed_run_reports_the_rank_that_says_why_over_a_lower_rank_that_saw_
     assert _explain(WorkerGroupError("failed", {0: vanished, 1: full})) is full
     plain = _explain(WorkerGroupError("failed", {1: ValueError("bad"), 0: vanished}))
     assert isinstance(plain, TrainingError) and str(plain).startswith("training failed on rank 0: FileNotFoundError")
+
+
+def test_a_training_worker_and_the_train_controllers_relay_do_not_load_mlflow():
+    """Each process that Ray Train starts per run imports only what it uses: a worker imports the
+    loop (and DeepSpeed, which would pull MLflow in for its autotuner), the controller the epoch
+    relay. MLflow costs each ~1.5 CPU-seconds; it is the driver's alone."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import flotilla.train._loop, flotilla._epochs; "
+             "print(sorted(m for m in ('mlflow', 'sqlalchemy') if m in sys.modules)); "
+             "import mlflow; print(mlflow.MlflowClient.__name__)")  # hidden only while DeepSpeed loads
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "MlflowClient"]

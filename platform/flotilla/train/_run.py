@@ -33,7 +33,6 @@ from flotilla.errors import ClusterError, FlotillaError, NotFiniteError, Trainin
 from flotilla.models import build_model
 from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
-from flotilla.track import open_tracker
 from flotilla.train._in_trial import InProcess, train_in_trial
 from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
 from flotilla.train._worker_config import WorkerConfig
@@ -99,6 +98,10 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
     # What Ray Train gets: the URI as written, or the local path made absolute.
     storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
+    # MLflow is the driver's alone: every training worker imports this package for its loop, and
+    # importing MLflow there too would cost each one ~1.5 CPU-seconds.
+    from flotilla.track import open_tracker
+
     tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
     check_cluster_fits(spec)
