@@ -235,7 +235,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         if stopped is not None:
             return _stop(session, stopped)
 
-        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device)
+        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_val else None)
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
         )
@@ -434,19 +434,29 @@ def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
 
 
 @torch.no_grad()
-def _evaluate(engine, shard, schema, dtype, batch_size, device) -> dict[str, Any]:
+def _evaluate(engine, shard, schema, dtype, batch_size, device, share: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Sums over this rank's validation batches. `share=(rank, world)`: `shard` is the whole split,
+    and this rank scores batches rank, rank + world, ... Under ZeRO-3 a forward is collective, so
+    every rank runs as many as the rank with the most batches (the extra ones are not counted)."""
     engine.eval()
-    loss_sum, correct, count, rows, probe = 0.0, 0, 0, 0, None
-    for batch in shard.iter_torch_batches(batch_size=batch_size, dtypes=_batch_dtypes(schema), device=device):
+    loss_sum, correct, count, rows, probe, forwards, seen = 0.0, 0, 0, 0, None, 0, 0
+    for i, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, dtypes=_batch_dtypes(schema), device=device)):
+        seen = i + 1
         inputs, targets = _split(batch, schema, dtype)
         if probe is None:
             probe = inputs
+        if share is not None and i % share[1] != share[0]:
+            continue
         out = engine(inputs)
+        forwards += 1
         loss_sum += _loss(out, targets, schema, "sum").item()
         count += _loss_count(targets, schema)
         rows += len(targets)
         if schema.task == "classification":
             correct += int((out.argmax(dim=-1) == targets).sum())
+    if share is not None and probe is not None:
+        for _ in range(-(-seen // share[1]) - forwards):
+            engine(probe)
     return {"loss_sum": loss_sum, "correct": correct, "count": count, "rows": rows, "probe": probe}
 
 

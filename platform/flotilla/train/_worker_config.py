@@ -21,6 +21,9 @@ class WorkerConfig(BaseModel):
     fingerprint: str
     train_rows: int = Field(gt=0)
     run_name: str
+    # Every rank gets the whole validation split (materialized, so reading it costs no tasks) and
+    # scores every world-th batch of it, instead of a shard of a streaming split.
+    whole_val: bool = False
 
     def to_ray(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
