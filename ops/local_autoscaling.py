@@ -62,6 +62,7 @@ class LocalCluster:
         self.env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
                     "RAY_FAKE_CLUSTER": "1"}
         self.env.pop("RAY_ADDRESS", None)
+        os.environ["RAY_AUTH_MODE"] = "token"  # this process asks the head's APIs too
         spec = yaml.safe_load(config.read_text())
         # The fake provider starts worker nodes against provider.gcs_address: this head's port.
         spec["provider"]["gcs_address"] = f"127.0.0.1:{gcs_port}"
@@ -86,32 +87,39 @@ class LocalCluster:
              "--disable-usage-stats", *ports],
             env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        from ray.job_submission import JobSubmissionClient
+
         deadline = time.monotonic() + timeout_s
-        while True:  # up means the jobs API answers
-            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", self.address],
-                                   env=self.env, capture_output=True, text=True, timeout=60)
-            if probe.returncode == 0:
+        while True:  # up means the jobs API answers (asked from here: a `ray job list` costs ~1.5 CPU-s)
+            try:
+                JobSubmissionClient(self.address).list_jobs()
                 break
+            except Exception as e:  # not up yet
+                problem = str(e)
             if self.proc.poll() is not None:
                 self.log.flush()
                 tail = "".join(Path(self.log.name).read_text().splitlines(keepends=True)[-30:])
                 raise RuntimeError(f"ray start exited with {self.proc.returncode}; the end of {self.log.name}:\n{tail}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the head did not come up in {timeout_s:.0f} s: {probe.stderr[-1000:]}")
+                raise RuntimeError(f"the head did not come up in {timeout_s:.0f} s: {problem[-1000:]}")
             time.sleep(2)
         say(f"head up: GCS 127.0.0.1:{self.gcs_port}, dashboard and jobs API {self.address}, 0 CPUs")
 
-    def workers(self) -> dict[str, int]:
-        """Alive worker nodes by type (from their resources: GPU → gpu_worker)."""
-        out = subprocess.run([str(BIN / "ray"), "list", "nodes", "--address", self.address, "--format", "json",
-                              "--limit", "1000"], env=self.env, capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            return {}
+    def workers(self) -> dict[str, int] | None:
+        """Alive worker nodes by type (from their resources: GPU → gpu_worker); None when the head
+        does not answer. Asked of the head's state API from this process, every few seconds: a
+        `ray list nodes` each time would cost ~1.5 CPU-seconds."""
+        from ray.util.state import list_nodes
+
+        try:
+            nodes = list_nodes(address=self.address, limit=1000, raise_on_missing_output=False)
+        except Exception:
+            return None
         counts: dict[str, int] = {}
-        for node in json.loads(out.stdout or "[]"):
-            if node.get("state") != "ALIVE" or node.get("is_head_node"):
+        for node in nodes:
+            if node.state != "ALIVE" or node.is_head_node:
                 continue
-            kind = "gpu_worker" if (node.get("resources_total") or {}).get("GPU") else "cpu_worker"
+            kind = "gpu_worker" if (node.resources_total or {}).get("GPU") else "cpu_worker"
             counts[kind] = counts.get(kind, 0) + 1
         return counts
 
@@ -137,7 +145,9 @@ class LocalCluster:
         self.log.close()
 
 
-def _describe(counts: dict[str, int]) -> str:
+def _describe(counts: dict[str, int] | None) -> str:
+    if counts is None:
+        return "unknown (the head did not answer)"
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
 
 
@@ -183,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         last = None
         while submit.poll() is None:
             counts = cluster.workers()
+            if counts is None:
+                time.sleep(2)
+                continue
             for kind, n in counts.items():
                 seen[kind] = max(seen.get(kind, 0), n)
             if counts != last:
@@ -201,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         deadline = started + cluster.idle_timeout_s + 180
         say(f"waiting for the autoscaler to remove idle workers (idle timeout {cluster.idle_timeout_s:.0f} s)")
-        while (counts := cluster.workers()):
-            if counts != last:
+        while (counts := cluster.workers()) != {}:
+            if counts is not None and counts != last:
                 say(f"worker nodes: {_describe(counts)}")
                 last = counts
             if time.monotonic() > deadline:
-                say(f"idle workers still there after {time.monotonic() - started:.0f} s: {_describe(counts)}")
+                say(f"idle workers still there after {time.monotonic() - started:.0f} s: {_describe(last)}")
                 return 1
             time.sleep(3)
         say(f"idle workers removed after {time.monotonic() - started:.0f} s; worker nodes: none")
