@@ -252,11 +252,9 @@ class Hosts:
         home.mkdir(parents=True, exist_ok=True)
         self.spawn("head", ["moto_server", "-H", self.head_address, "-p", str(S3_PORT)], home / "moto.log")
         # (pyarrow's URIs read AWS_ENDPOINT_URL from the environment; its S3FileSystem() does not.)
-        make_bucket = ("import pyarrow.fs as fs; "
-                       f"fs.S3FileSystem(endpoint_override={self.s3_endpoint!r}, allow_bucket_creation=True)"
+        make_bucket = (f"fs.S3FileSystem(endpoint_override={self.s3_endpoint!r}, allow_bucket_creation=True)"
                        f".create_dir({S3_BUCKET!r})")
-        self._wait(lambda: self.run("client", ["python", "-c", make_bucket], timeout=60).returncode == 0,
-                   timeout_s, "the S3 endpoint", home / "moto.log")
+        self._wait_on_client("import pyarrow.fs as fs", make_bucket, timeout_s, "the S3 endpoint", home / "moto.log")
 
     def start_ray(self, timeout_s: float = 180) -> None:
         """The cluster as cluster.yaml starts it: the head (MLflow server, Ray with CPU 0, the jobs API
@@ -264,18 +262,20 @@ class Hosts:
         if self.s3:
             self.start_s3()
         self.start_node("head")
-        self._wait(lambda: self.run("client", ["ray", "job", "list", "--address", self.jobs_address],
-                                    timeout=60).returncode == 0, timeout_s, "the head's jobs API",
-                   self.home("head"))
+        self._wait_on_client("from ray.job_submission import JobSubmissionClient",
+                             f"JobSubmissionClient({self.jobs_address!r}).list_jobs()", timeout_s, "the head's jobs API",
+                             self.home("head"))
         # The workers boot at once, as a cloud's do.
         workers = [host.name for host in self.hosts if host.name.startswith("worker")]
         with ThreadPoolExecutor(len(workers)) as pool:
             list(pool.map(self.start_node, workers))
-        self._wait(lambda: self.alive_workers() == self.workers, timeout_s, "the worker nodes",
-                   Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
-        health = f"import urllib.request; urllib.request.urlopen({self.tracking_uri + '/health'!r}, timeout=5)"
-        self._wait(lambda: self.run("client", ["python", "-c", health], timeout=60).returncode == 0, timeout_s,
-                   "the head's MLflow server", self.home("head") / "flotilla" / "mlflow" / "server.log")
+        alive = (f"sum(1 for n in list_nodes(address={self.jobs_address!r}, filters=[('state', '=', 'ALIVE')]) "
+                 f"if not n.is_head_node) == {self.workers}")
+        self._wait_on_client("from ray.util.state import list_nodes", alive, timeout_s, "the worker nodes",
+                             Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
+        self._wait_on_client("import urllib.request", f"urllib.request.urlopen({self.tracking_uri + '/health'!r}, "
+                             "timeout=5)", timeout_s, "the head's MLflow server",
+                             self.home("head") / "flotilla" / "mlflow" / "server.log")
 
     @property
     def tracking_uri(self) -> str:
@@ -289,13 +289,22 @@ class Hosts:
             return -1
         return sum(1 for n in json.loads(out.stdout or "[]") if not n.get("is_head_node"))
 
-    @staticmethod
-    def _wait(ready, timeout_s: float, what: str, log: Path) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s; see {log}")
-            time.sleep(1)
+    def _wait_on_client(self, imports: str, ready: str, timeout_s: float, what: str, log: Path) -> None:
+        """Until the Python expression `ready` (after `imports`) is true without raising, asked every
+        second by one process on the client host (a `ray` command a second would cost ~1.5 CPU-s of
+        start-up each)."""
+        code = "\n".join([
+            "import sys, time", imports, f"deadline = time.monotonic() + {timeout_s}",
+            "while True:",
+            "    try:",
+            f"        if {ready} is not False: sys.exit(0)",
+            "    except Exception:",
+            "        pass",
+            "    if time.monotonic() > deadline: sys.exit(1)",
+            "    time.sleep(1)",
+        ])
+        if self.run("client", ["python", "-c", code], timeout=timeout_s + 60).returncode != 0:
+            raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s; see {log}")
 
     # ------------------------------------------------------------------ faults and teardown
     def kill_host(self, name: str) -> list[int]:

@@ -1,7 +1,8 @@
-"""Steady HTTP load for the cluster tests: `python _load.py URL --seconds S --concurrency C --out FILE`.
+"""Steady HTTP load for the cluster tests: `python _load.py URL --seconds S --concurrency C --pause P --out FILE`.
 
-Each of C threads POSTs one digits row after another until S seconds have passed; FILE gets every
-request as [start, end, status] (wall-clock seconds; status 0 when no HTTP answer came).
+Each of C threads POSTs one digits row after another, P seconds apart (default 0: as fast as the
+endpoint answers), until S seconds have passed; FILE gets every request as [start, end, status]
+(wall-clock seconds; status 0 when no HTTP answer came).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main() -> None:
     p.add_argument("url")
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     body = {"instances": [[0.0] * 64]}
@@ -34,6 +36,7 @@ def main() -> None:
             except requests.RequestException:
                 status = 0
             done.append([started, time.time(), status])
+            time.sleep(args.pause)
 
     threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
     for t in threads:

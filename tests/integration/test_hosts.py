@@ -107,23 +107,29 @@ print(json.dumps({{
 """)
 
 
-def replica_hosts(hosts) -> list[str]:
-    """Addresses of the nodes whose alive Serve replicas serve `digits`."""
+def replica_hosts(hosts, until: list[str] | None = None, timeout: float = 0) -> list[str]:
+    """Addresses of the nodes whose alive Serve replicas serve `digits`; with `until`, asked every
+    2 s (by one process on the client host: each new one imports Ray again) until they are those."""
     return on_client(hosts, f"""
-import json
+import json, time
 from ray.util.state import list_actors, list_nodes
 a = {hosts.jobs_address!r}
-ips = {{n.node_id: n.node_ip for n in list_nodes(address=a)}}
-print(json.dumps(sorted(ips[x.node_id] for x in list_actors(address=a, filters=[("state", "=", "ALIVE")], limit=10000)
-                        if x.class_name.startswith("ServeReplica:digits:"))))
-""")
+def replica_hosts():
+    ips = {{n.node_id: n.node_ip for n in list_nodes(address=a)}}
+    return sorted(ips[x.node_id] for x in list_actors(address=a, filters=[("state", "=", "ALIVE")], limit=10000)
+                  if x.class_name.startswith("ServeReplica:digits:"))
+deadline = time.monotonic() + {timeout}
+seen = replica_hosts()
+while {until!r} is not None and seen != {until!r} and time.monotonic() < deadline:
+    time.sleep(2)
+    seen = replica_hosts()
+print(json.dumps(seen))
+""", timeout=timeout + 120)
 
 
 def wait_for_a_replica_on_each_worker(hosts, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while sorted(replica_hosts(hosts)) != sorted([hosts["worker1"].address, hosts["worker2"].address]):
-        assert time.monotonic() < deadline, replica_hosts(hosts)
-        time.sleep(2)
+    both = sorted([hosts["worker1"].address, hosts["worker2"].address])
+    assert replica_hosts(hosts, until=both, timeout=timeout) == both
 
 
 # ------------------------------------------------------------------ the hosts
@@ -264,7 +270,7 @@ def test_the_champion_serves_from_the_worker_hosts_and_survives_losing_one(hosts
     # Steady load from the client host at the head's address while a replica's host dies.
     result = Path(hosts.shared) / "load.json"
     load = hosts.spawn("client", ["python", str(ROOT / "tests" / "integration" / "_load.py"), f"{url}/predict",
-                                  "--seconds", "18", "--concurrency", "4", "--out", str(result)],
+                                  "--seconds", "18", "--concurrency", "4", "--pause", "0.05", "--out", str(result)],
                        Path(hosts.shared) / "load.log")
     time.sleep(8)
     killed_at = time.time()
