@@ -269,10 +269,8 @@ class Hosts:
         workers = [host.name for host in self.hosts if host.name.startswith("worker")]
         with ThreadPoolExecutor(len(workers)) as pool:
             list(pool.map(self.start_node, workers))
-        alive = (f"sum(1 for n in list_nodes(address={self.jobs_address!r}, filters=[('state', '=', 'ALIVE')]) "
-                 f"if not n.is_head_node) == {self.workers}")
-        self._wait_on_client("from ray.util.state import list_nodes", alive, timeout_s, "the worker nodes",
-                             Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
+        self._wait_on_client("from ray.util.state import list_nodes", f"{self._alive_workers} == {self.workers}",
+                             timeout_s, "the worker nodes", Path(f"/proc/{self['worker1'].holder_pid}/root/tmp/ray"))
         self._wait_on_client("import urllib.request", f"urllib.request.urlopen({self.tracking_uri + '/health'!r}, "
                              "timeout=5)", timeout_s, "the head's MLflow server",
                              self.home("head") / "flotilla" / "mlflow" / "server.log")
@@ -281,16 +279,21 @@ class Hosts:
     def tracking_uri(self) -> str:
         return f"http://{self.head_address}:{MLFLOW_PORT}"
 
+    @property
+    def _alive_workers(self) -> str:
+        """A Python expression (after `from ray.util.state import list_nodes`): the worker nodes the head's
+        GCS counts as alive."""
+        return (f"sum(1 for n in list_nodes(address={self.jobs_address!r}, filters=[('state', '=', 'ALIVE')]) "
+                "if not n.is_head_node)")
+
     def alive_workers(self) -> int:
-        """Worker nodes the head's GCS counts as alive (asked from the client host)."""
-        out = self.run("client", ["ray", "list", "nodes", "--address", self.jobs_address, "--format", "json",
-                                  "--filter", "state=ALIVE"], timeout=60)
-        if out.returncode != 0:
-            return -1
-        return sum(1 for n in json.loads(out.stdout or "[]") if not n.get("is_head_node"))
+        """Worker nodes the head's GCS counts as alive (asked from the client host); -1 if it does not answer."""
+        out = self.run("client", ["python", "-c", f"from ray.util.state import list_nodes; print({self._alive_workers})"],
+                       timeout=60)
+        return int(out.stdout.strip()) if out.returncode == 0 else -1
 
     def _wait_on_client(self, imports: str, ready: str, timeout_s: float, what: str, log: Path) -> None:
-        """Until the Python expression `ready` (after `imports`) is true without raising, asked every
+        """Until the Python expression `ready` (after `imports`) neither raises nor is False, asked every
         second by one process on the client host (a `ray` command a second would cost ~1.5 CPU-s of
         start-up each)."""
         code = "\n".join([
