@@ -126,12 +126,10 @@ def replica_actors(app: str) -> list[str]:
 
 
 class Load:
-    """Clients sending prediction requests in a loop until stopped, `pause_s` apart (0: as fast as
-    the endpoint answers, which takes both cores from the replicas' own start-ups); every answer is
-    recorded."""
+    """Clients sending prediction requests in a loop until stopped; every answer is recorded."""
 
-    def __init__(self, url, body, clients=8, headers=None, pause_s=0.0):
-        self.url, self.body, self.headers, self.pause_s = url, body, headers or {}, pause_s
+    def __init__(self, url, body, clients=8, headers=None):
+        self.url, self.body, self.headers = url, body, headers or {}
         self.results: list[tuple[float, int, str | None]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
@@ -144,7 +142,6 @@ class Load:
                     self.results.append((time.monotonic(), r.status_code, r.headers.get("X-Model-Version")))
                 except requests.RequestException as e:
                     self.results.append((time.monotonic(), -1, type(e).__name__))
-                self._stop.wait(self.pause_s)
 
     def __enter__(self):
         for t in self._threads:
@@ -453,7 +450,7 @@ def test_promotion_during_load_drops_no_request(served, ray_cluster):
     cmd = [sys.executable, str(ROOT / "pipelines" / "deploy.py"), "--config", str(ROOT / "configs" / "digits.yaml"),
            "--promote", "--set", f"train.storage_path={served['store']}", "--set", f"track.uri={store_uri(served['store'])}",
            "--set", f"serve.port={served['port']}", *[a for o in SERVE_TEST for a in ("--set", o)]]
-    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6, pause_s=0.05) as load:
+    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6) as load:
         time.sleep(2)
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         finished = time.monotonic()
@@ -476,7 +473,7 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_answering(served):
     wait_for(lambda: replicas("digits") == 2, 90, "two replicas")
     before = replica_actors("digits")
     url = served["classifier"].url + "/predict"
-    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6, pause_s=0.05) as load:
+    with Load(url, {"instances": val_rows(served, 4).to_numpy().tolist()}, clients=6) as load:
         time.sleep(2)
         victim = next(a for a in ray.util.state.list_actors(address=_gcs(), filters=[("actor_id", "=", before[0])]))
         ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
