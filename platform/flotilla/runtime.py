@@ -39,20 +39,27 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # sized for external load balancers; the HAProxy on each node reloads within a second.
 DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAIN_S = "3"
-# Ray 2.60's HAProxy configuration binds HAProxy's stats page (`bind *:8404`) and its Prometheus
-# exporter (`bind :9101`) on every interface; only their ports are settings. Serve starts (and, on
-# each reload, restarts) the binary named by RAY_SERVE_HAPROXY_BINARY_PATH as `BINARY -db -f CONFIG
-# ...`. This wrapper moves those two binds to 127.0.0.1 in the file Serve has just written and
-# becomes Ray's own HAProxy (`exec`: the same pid and command line, which Serve tracks).
+# Serve starts (and, on each reload, restarts) the binary named by RAY_SERVE_HAPROXY_BINARY_PATH as
+# `BINARY -db -f CONFIG ...`. Flotilla's wrapper edits the file Serve has just written, then becomes
+# Ray's own HAProxy (`exec`: the same pid and command line, which Serve tracks):
+# - Ray 2.60's configuration binds HAProxy's stats page (`bind *:8404`) and its Prometheus exporter
+#   (`bind :9101`) on every interface, and only their ports are settings: both move to 127.0.0.1.
+# - It also turns on `option splice-request`, with which the HAProxy that ships with Ray (2.8) misses a
+#   client's close of a request it sent over a reused server connection (1 in 4 such requests on
+#   this machine, with a plain backend): the replica never learns that its client left, and a
+#   generation runs on until serve.request_timeout_s. The line goes; request bodies are at most
+#   serve.max_body_bytes, which splicing would not speed up anyway.
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
-_LOOPBACK_WRAPPER = """#!/bin/sh
+_HAPROXY_WRAPPER = """#!/bin/sh
 # Written by Flotilla (flotilla.runtime): Ray Serve's HAProxy with its stats page and Prometheus
-# exporter on 127.0.0.1 instead of every interface; the HTTP frontend keeps serve.host.
+# exporter on 127.0.0.1 instead of every interface (the HTTP frontend keeps serve.host), and
+# without request splicing, which loses clients' closes.
 config=""; previous=""
 for arg in "$@"; do [ "$previous" = "-f" ] && config="$arg"; previous="$arg"; done
 if [ -n "$config" ]; then
   sed -i -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\)\\*:/\\1127.0.0.1:/' \\
-         -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\):/\\1127.0.0.1:/' "$config" || exit 1
+         -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\):/\\1127.0.0.1:/' \\
+         -e '/^[[:space:]]*option[[:space:]][[:space:]]*splice-request[[:space:]]*$/d' "$config" || exit 1
 fi
 exec {binary} "$@"
 """
@@ -170,12 +177,12 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
 
 def haproxy_environment(ingress: str = "haproxy") -> dict[str, str]:
     """What a local cluster's environment gets for Serve's HAProxy ingress: HAPROXY_ENV, a short
-    drain and the loopback wrapper (a value already in this process's environment wins). For
+    drain and Flotilla's HAProxy wrapper (a value already in this process's environment wins). For
     `auto`, nothing (Serve's Python proxy) where the wrapper cannot run here: no HAProxy (Ray ships
     it for Linux only) or no directory that allows running programs."""
     wrapper = None
     if HAPROXY_BINARY_ENV not in os.environ:
-        wrapper = loopback_haproxy()
+        wrapper = haproxy_wrapper()
         if wrapper is None and ingress == "auto":
             return {}
     env = {**HAPROXY_ENV, DRAIN_ENV: os.environ.get(DRAIN_ENV, DRAIN_S)}
@@ -189,11 +196,11 @@ def started_local_haproxy() -> bool:
     return started_local_ray() and _STARTED_HAPROXY
 
 
-def loopback_haproxy(directory: Path | None = None) -> Path | None:
-    """Write the HAProxy wrapper that binds the stats page and the Prometheus exporter on 127.0.0.1
-    around the HAProxy Serve would run, in `directory` (default: this user's directory under the
-    system's temporary one, else under ~/.cache, whichever is not mounted noexec); its path, or
-    None where there is no HAProxy or no such directory."""
+def haproxy_wrapper(directory: Path | None = None) -> Path | None:
+    """Write Flotilla's wrapper (see HAPROXY_BINARY_ENV: stats page and Prometheus exporter on
+    127.0.0.1, no request splicing) around the HAProxy Serve would run, in `directory` (default:
+    this user's directory under the system's temporary one, else under ~/.cache, whichever is not
+    mounted noexec); its path, or None where there is no HAProxy or no such directory."""
     import shlex
     import shutil
 
@@ -207,7 +214,7 @@ def loopback_haproxy(directory: Path | None = None) -> Path | None:
     if not binary or directory is None:
         return None
     path = directory / "haproxy"
-    text = _LOOPBACK_WRAPPER.replace("{binary}", shlex.quote(str(binary)))
+    text = _HAPROXY_WRAPPER.replace("{binary}", shlex.quote(str(binary)))
     if not path.exists() or path.read_text() != text:
         partial = directory / f".haproxy.{os.getpid()}"
         partial.write_text(text)

@@ -100,12 +100,13 @@ def test_the_haproxy_wrapper_moves_the_all_interface_binds_to_loopback_and_keeps
     and leaves the HTTP frontend on whatever serve.host said."""
     import subprocess
 
-    from flotilla.runtime import loopback_haproxy
+    from flotilla.runtime import haproxy_wrapper
 
-    wrapper = loopback_haproxy(tmp_path / "bin")
+    wrapper = haproxy_wrapper(tmp_path / "bin")
     assert wrapper is not None and os.access(wrapper, os.X_OK)
     config = tmp_path / "haproxy.cfg"
     config.write_text("defaults\n    mode http\n    timeout client 1s\n    timeout server 1s\n    timeout connect 1s\n"
+                      "    option splice-request\n    option splice-response\n"
                       "frontend prometheus\n    bind :9101\n    http-request use-service prometheus-exporter\n"
                       "frontend http_frontend\n    bind 0.0.0.0:8000\n    http-request return status 200\n"
                       "listen stats\n  bind *:8404\n  stats enable\n")
@@ -113,7 +114,10 @@ def test_the_haproxy_wrapper_moves_the_all_interface_binds_to_loopback_and_keeps
     assert checked.returncode == 0, checked.stdout + checked.stderr
     binds = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("bind")]
     assert binds == ["bind 127.0.0.1:9101", "bind 0.0.0.0:8000", "bind 127.0.0.1:8404"]
-    assert loopback_haproxy(tmp_path / "bin") == wrapper  # written again only when it would change
+    options = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("option")]
+    assert options == ["option splice-response"]  # request splicing goes (see HAPROXY_BINARY_ENV), the rest stays
+    assert haproxy_wrapper(tmp_path / "bin") == wrapper  # written again only when it would change
+
 
 
 def test_serve_apps_config_is_a_valid_serve_deploy_file_with_importable_builders():
@@ -185,8 +189,8 @@ def test_the_wrapper_goes_where_programs_may_run_and_auto_falls_back_to_the_prox
         subprocess.run(["umount", str(noexec)], check=True)
 
     monkeypatch.delenv(runtime.HAPROXY_BINARY_ENV, raising=False)
-    monkeypatch.setattr(runtime, "loopback_haproxy", lambda directory=None: None)  # as on a machine without HAProxy
+    monkeypatch.setattr(runtime, "haproxy_wrapper", lambda directory=None: None)  # as on a machine without HAProxy
     assert runtime.haproxy_environment("auto") == {}
     assert runtime.haproxy_environment("haproxy") == {**runtime.HAPROXY_ENV, runtime.DRAIN_ENV: runtime.DRAIN_S}
-    monkeypatch.setattr(runtime, "loopback_haproxy", lambda directory=None: tmp_path / "haproxy")
+    monkeypatch.setattr(runtime, "haproxy_wrapper", lambda directory=None: tmp_path / "haproxy")
     assert runtime.haproxy_environment("auto")[runtime.HAPROXY_BINARY_ENV] == str(tmp_path / "haproxy")
