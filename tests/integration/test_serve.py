@@ -597,9 +597,11 @@ def test_a_client_that_goes_away_stops_its_generation(served):
                 break
     assert events == 5
     assert cpu_seconds_over(2) < 0.4, "the replica kept generating for a stream whose client left"
-    # A whole-text request whose client gives up before the answer.
-    with pytest.raises(requests.ReadTimeout):
-        requests.post(url, json=endless, timeout=2)
-    assert cpu_seconds_over(2) < 0.4, "the replica kept generating for a request whose client left"
+    # Whole-text requests whose clients give up before the answer: several, since HAProxy with Ray's
+    # `option splice-request` (which Flotilla's wrapper removes) lost about 1 close in 4.
+    for _ in range(4):
+        with pytest.raises(requests.ReadTimeout):
+            requests.post(url, json=endless, timeout=1)
+        assert cpu_seconds_over(1) < 0.2, "the replica kept generating for a request whose client left"
     answer = post(url, {"prompt": "def ", "max_tokens": 5, "temperature": 0.0})
     assert answer.status_code == 200 and len(answer.json()["text"]) > 0, answer.text
