@@ -44,11 +44,11 @@ DRAIN_S = "3"
 # Ray's own HAProxy (`exec`: the same pid and command line, which Serve tracks):
 # - Ray 2.60's configuration binds HAProxy's stats page (`bind *:8404`) and its Prometheus exporter
 #   (`bind :9101`) on every interface, and only their ports are settings: both move to 127.0.0.1.
-# - It also turns on `option splice-request`, with which the HAProxy that ships with Ray (2.8) misses a
-#   client's close of a request it sent over a reused server connection (1 in 4 such requests on
-#   this machine, with a plain backend): the replica never learns that its client left, and a
-#   generation runs on until serve.request_timeout_s. The line goes; request bodies are at most
-#   serve.max_body_bytes, which splicing would not speed up anyway.
+# - It also turns on `option splice-request`, with which the HAProxy that ships with Ray (2.8) misses
+#   about 1 in 4 closes of clients that leave before their answer (measured with a plain backend):
+#   the replica never learns that its client left, and a generation runs on until
+#   serve.request_timeout_s. The line goes; request bodies are at most serve.max_body_bytes, which
+#   splicing would not speed up anyway.
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _HAPROXY_WRAPPER = """#!/bin/sh
 # Written by Flotilla (flotilla.runtime): Ray Serve's HAProxy with its stats page and Prometheus
