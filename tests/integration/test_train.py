@@ -105,7 +105,7 @@ def test_killed_worker_resumes_from_last_checkpoint(faulty_run):
         outcome.history[-1]["val_accuracy"], abs=2 / len(labels))
 
 
-def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run):
+def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run, capsys):
     first, storage = faulty_run.outcome, faulty_run.storage
     latest = sorted((storage / "faulty").glob("checkpoint_epoch0004_*"))[-1]
     shard = next(latest.glob("ds/*zero_pp_rank_1_*optim_states.pt"))
@@ -130,9 +130,13 @@ def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run):
     assert sorted(int(v.version) for v in versions) == [1, 2]  # new weights, a new version
     _assert_trained_and_consolidated(second, 3)
     # The same command once more (as after a driver that died past registering): nothing is left to
-    # train, the weights are those of v2, and no third version is registered.
+    # train, so no worker group starts; the weights are those of v2, and no third version is registered.
+    capsys.readouterr()
     third = run_training(digits_spec(storage, "train.epochs=5", "train.run_name=faulty", "train.max_failures=2",
                                      "train.precision=fp32", "train.zero_stage=3"))
+    said = capsys.readouterr().out
+    assert "[faulty] finished already: its bundle holds all 5 epochs of this data; nothing to train" in said, said
+    assert "epoch 5/5" not in said and third.history == second.history and third.resources is None
     assert third.registration.version == "2"
     assert sorted(int(v.version) for v in client.search_model_versions("name = 'digits'")) == [1, 2]
     assert metric_steps(client, third.mlflow_run_id) == [1, 2, 3, 4, 5]

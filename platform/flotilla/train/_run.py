@@ -121,9 +121,17 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     # fails now with its own message instead of on every worker after each restart.
     with torch.device("meta"):
         build_model(spec.model.model_dump(mode="json"), prepared.schema)
+    # (A sweep's trial always trains: Tune learns its metrics from the epochs it reports.)
+    finished = None if in_trial else _finished_bundle(fs, storage_root, run_name, t.epochs, prepared.fingerprint)
     _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
     if tracker is not None:
         tracker.start(prepared, f"{storage}/{run_name}")
+    if finished is not None:
+        # The same command again after the run finished (a driver that died while registering, a
+        # script run twice): its bundle holds every epoch of this data, so no worker group starts.
+        print(f"[{run_name}] finished already: its bundle holds all {t.epochs} epochs of this data; "
+              "nothing to train", flush=True)
+        return _outcome(spec, fs, storage_root, storage, run_name, prepared, finished, None, tracker, started, in_trial)
     config = WorkerConfig(
         spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
         train_rows=prepared.train_rows, run_name=run_name,
@@ -176,6 +184,19 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     bundle_metrics = read_bundle_metrics(fs, bundle_fs_path)
     use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"))
     print(f"[{run_name}] {use.describe()}", flush=True)
+    if epoch_logger is not None:
+        # The epochs are logged from a thread of this process: give it a moment to finish.
+        epoch_logger.flush(timeout_s=10)
+    return _outcome(spec, fs, storage_root, storage, run_name, prepared, bundle_metrics, use, tracker, started, in_trial)
+
+
+def _outcome(spec: RunSpec, fs: pafs.FileSystem, storage_root: str, storage: str, run_name: str,
+             prepared: PreparedData, bundle_metrics: dict[str, Any], use: ResourceUse | None, tracker, started: float,
+             in_trial: bool) -> TrainingOutcome:
+    """The finished run's outcome from its bundle's metrics (`storage_root` on `fs`: `storage`); with a
+    tracker, recorded and registered. `use` is None when nothing trained now (the MLflow run keeps the
+    resources it logged before)."""
+    bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
     outcome = TrainingOutcome(
         run_name=run_name,
         run_dir=f"{storage}/{run_name}",
@@ -187,8 +208,6 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         resources=use,
     )
     if tracker is not None:
-        # The epochs are logged from a thread of this process: give it a moment to finish.
-        epoch_logger.flush(timeout_s=10)
         outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
         with local_copy(fs, bundle_fs_path) as local_bundle:
             outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
@@ -303,6 +322,21 @@ def local_copy(fs: pafs.FileSystem, path: str):
     with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
         pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         yield Path(tmp)
+
+
+def _finished_bundle(fs: pafs.FileSystem, root: str, run_name: str, epochs: int, fingerprint: str) -> dict | None:
+    """The metrics of run `run_name`'s bundle when it is complete for `epochs` epochs of the data
+    whose fingerprint is `fingerprint` (the one its record names), else None: train (or resume)."""
+    try:
+        with fs.open_input_stream(f"{root}/{run_name}/fingerprint.txt") as f:
+            if f.read().decode().strip() != fingerprint:
+                return None
+        metrics = read_bundle_metrics(fs, f"{root}/{run_name}/{BUNDLE_DIR}")
+        history = metrics["history"]
+        complete = bool(history) and history[-1]["epoch"] == epochs and "final" in metrics
+    except (OSError, ValueError, KeyError, TypeError):  # no run, no bundle yet, or one half copied
+        return None
+    return metrics if complete else None
 
 
 def _write_run_record(fs: pafs.FileSystem, root: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
