@@ -24,11 +24,14 @@ os.environ.setdefault(
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 # `pytest -n 2` runs the suite in two lanes at once: it spends a third of its time
-# waiting (clusters starting, autoscalers, health checks, load for N seconds), and the modules
-# that build clusters of their own share nothing with those on the session's local Ray. Each lane
-# is one process that runs its modules in file order, so module- and session-scoped fixtures (the
-# session's Ray, `digits_champion`) are built once. The unit tests join the lighter lane.
-OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming"}
+# waiting (clusters starting, autoscalers, health checks, load for N seconds). One lane holds the
+# modules that use the session's trained models (`digits_champion`, ...) or Serve on the local Ray;
+# the other the modules that build clusters of their own (Serve there runs in other network
+# namespaces) and those that need only a local Ray, which that lane starts for itself: about
+# equal halves. Each lane is one process that runs its modules in file order, so module- and
+# session-scoped fixtures are built once. The unit tests join the second lane.
+OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming",
+                "test_bad_input", "test_tracking_server", "test_tune"}
 
 
 def lane(nodeid: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -69,11 +70,20 @@ def own_ray_processes(prefix: str) -> list:
 
 
 def haproxy_processes() -> list:
-    """Serve's HAProxy processes on this machine (children of its HAProxyManager actors)."""
+    """Serve's HAProxy processes on this machine's network (children of its HAProxyManager actors),
+    not those of test_hosts' hosts, each in a network namespace of its own."""
     import psutil
 
+    own = os.readlink("/proc/self/ns/net")
+
+    def here(pid: int) -> bool:
+        try:
+            return os.readlink(f"/proc/{pid}/ns/net") == own
+        except OSError:  # gone meanwhile
+            return False
+
     return [p for p in psutil.process_iter(["name", "cmdline"])
-            if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or [])]
+            if p.info["name"] == "haproxy" and "haproxy-serve" in " ".join(p.info["cmdline"] or []) and here(p.pid)]
 
 
 def plant_code(uri: str, directory: Path, model: str = "digits", version: str = "1") -> tuple[str, Path]:
