@@ -143,6 +143,52 @@ class HFBundle:
             yield token
             out = self.model(input_ids=torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
 
+    @torch.inference_mode()
+    def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
+                           ended: list[Any] | None = None) -> list[list[int]]:
+        """Several prompts decoded together, one forward pass per token for all of them: each row
+        the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
+        `temperature`, `top_p`, `seed`). The prompts are left-padded, masked, and each row's
+        positions start at its first real token. A row ends at an end-of-text token, after its
+        `max_tokens`, or once its event in `ended` (a `threading.Event`) is set; when every row
+        has ended, no more forward passes run."""
+        from flotilla.bundle import sample_token
+
+        n, device, stops = len(prompts), self.device, self.stop_ids()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        longest = max(map(len, prompts))
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        tokens = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=device)
+        generators = [torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None
+                      for s in settings]
+        out_ids: list[list[int]] = [[] for _ in prompts]
+        done = [False] * n
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+        for step in range(max(int(s["max_tokens"]) for s in settings)):
+            logits = out.logits[:, -1].float().cpu()
+            for i, s in enumerate(settings):
+                if done[i] or step >= int(s["max_tokens"]) or (ended is not None and ended[i].is_set()):
+                    done[i] = True
+                    continue
+                row, temperature, top_p = logits[i], float(s.get("temperature", 1.0)), float(s.get("top_p", 1.0))
+                if top_p < 1.0 and temperature > 0:
+                    row = _nucleus(row / temperature, top_p) * temperature
+                token = sample_token(row, temperature, None, generators[i])
+                if token in stops:
+                    done[i] = True
+                else:
+                    out_ids[i].append(token)
+            if all(done):
+                break
+            # A row that has ended repeats its last token; its logits go unread.
+            last = torch.tensor([[ids[-1] if ids else pad] for ids in out_ids], device=device)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, cache=out.cache,
+                             use_cache=True)
+        return out_ids
+
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
                         seed: int | None = None, chat: bool = False) -> Iterator[str]:
         """Yield the text as it is generated; a piece never ends inside a character (a byte-level

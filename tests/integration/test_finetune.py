@@ -10,6 +10,7 @@ checked against the model it trained, and the registered version answers a stock
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,27 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
                                         temperature=0, stop=[stop])
         assert cut.choices[0].text == whole[:whole.find(stop)] and cut.choices[0].finish_reason == "stop"
         assert [m.id for m in client.models.list()] == ["instruct-lora"]
+        # Whole-text requests that arrive together decode together, each answered as it would be alone.
+        asks = [(f"What is {a} plus {b}?", seed) for seed, (a, b) in enumerate([(3, 4), (12, 7), (25, 16), (8, 9),
+                                                                              (40, 2), (6, 6)])]
+        alone = [bundle.generate(q, max_tokens=10, temperature=seed % 2, seed=seed, chat=True) for q, seed in asks]
+
+        def ask(q_seed):
+            q, seed = q_seed
+            answer = client.chat.completions.create(model="instruct-lora", messages=[{"role": "user", "content": q}],
+                                                    max_tokens=10, temperature=seed % 2, seed=seed)
+            return answer.choices[0].message.content
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            for _ in range(3):
+                assert list(pool.map(ask, asks)) == alone
+
+        def shared():  # some batch held more than one request (Ray exports the histogram's buckets exactly)
+            text = metrics_text()
+            single = metric_sum(text, "ray_flotilla_batch_size_bucket", model="instruct-lora", le="1.0")
+            return metric_sum(text, "ray_flotilla_batch_size_count", model="instruct-lora") > single
+
+        wait_for(shared, 90, "a chat batch of more than one request in Ray's Prometheus export", interval_s=3)
         # What it cannot do is refused in OpenAI's error shape, naming the field.
         with pytest.raises(UnprocessableEntityError, match="only n=1 is supported"):
             client.chat.completions.create(model="instruct-lora", messages=question, n=2)

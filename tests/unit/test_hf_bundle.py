@@ -86,6 +86,25 @@ def test_the_merged_bundle_generates_what_the_peft_model_generates(trained):
         assert (again(input_ids=ids).logits - model(ids)).abs().max() < 1e-6
 
 
+def test_prompts_decoded_together_get_the_tokens_each_gets_alone(trained):
+    """Left-padded rows of different lengths, greedy and sampled (with top_p), different max_tokens,
+    one row ended from outside before its first token: each row's ids are those it decodes alone."""
+    import threading
+
+    _, bundle = trained
+    loaded = load_hf_bundle(bundle)
+    prompts = [loaded.encode(p, chat=True) for p in ("What is 12 plus 7?", "Hi", "Tell me a long story, please")]
+    prompts.append(loaded.encode("def f(x):"))
+    settings = [{"max_tokens": 12, "temperature": 0.0}, {"max_tokens": 5, "temperature": 1.0, "seed": 3},
+                {"max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 1}, {"max_tokens": 9, "temperature": 1.0}]
+    alone = [list(loaded.generate_ids(p, **s)) for p, s in zip(prompts, settings)]
+    ended = [threading.Event() for _ in prompts]
+    ended[3].set()  # (the row without a seed: its client went away)
+    together = loaded.generate_ids_batch(prompts, settings, ended)
+    assert together[:3] == alone[:3] and together[3] == []
+    assert len({len(p) for p in prompts}) == len(prompts) and any(len(ids) > 1 for ids in alone)
+
+
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):
     _, bundle = trained
     with pytest.raises(BundleError, match=r"not a complete language-model bundle: missing config.json, "

@@ -11,6 +11,7 @@ without `stream` (server-sent events, `data: [DONE]` last), honour `max_tokens` 
 answer errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Versions,
 canary splits, sticky callers, limits, deadlines and metrics are those of every Flotilla endpoint
 (`flotilla.serve._server`); a stream whose client goes away stops generating at the next token.
+Whole-text requests that arrive together decode together (`Chat._forward`).
 """
 
 # No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
@@ -39,7 +40,7 @@ from flotilla.serve._openai import (
     new_id,
     openai_error,
 )
-from flotilla.serve._server import ApiError, _api, _ModelServer, logger
+from flotilla.serve._server import ApiError, _api, _by_version, _ModelServer, logger
 
 chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.")
 
@@ -55,9 +56,12 @@ class _Generation:
         self.cancel = threading.Event()
         self.completion_tokens, self.finish, self.text = 0, "stop", ""
         self.done = False  # the text is complete (not cut short by a timeout or a client gone)
+        self.decoded: list[int] | None = None  # its tokens, when decoded together with others (Chat._forward)
 
     def _tokens(self) -> Iterator[int]:
-        for token in self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings):
+        source = self.decoded if self.decoded is not None else \
+            self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings)
+        for token in source:
             if self.cancel.is_set():
                 return
             self.completion_tokens += 1
@@ -210,13 +214,38 @@ class Chat(_ModelServer):
         return limit
 
     async def _whole(self, generation: _Generation, version: str) -> str:
-        """The whole text, generated in a thread; a timeout (504) or a client that goes away cancels it."""
+        """The whole text, decoded together with the requests that arrived with it (`_forward`); a
+        timeout (504) or a client that goes away ends its generation after the current token."""
         start = time.perf_counter()
         try:
-            return await asyncio.to_thread(lambda: "".join(generation.pieces()))
+            return await self._forward((version, generation.bundle, generation))
         finally:
             generation.cancel.set()
             self._observe(version, generation, start)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
+    async def _forward(self, items: list[tuple[str, Any, _Generation]]) -> list[str]:
+        """`@serve.batch` groups the whole-text requests that arrive together
+        (`serve.batching.generate_wait_s`); each group of one version decodes in one forward pass per
+        token (`HFBundle.generate_ids_batch`) in a thread of its own, so a request that arrives while
+        others generate starts at once. Each request gets the text it gets alone: its own sampling
+        and seed, its stop strings applied to its own tokens. Streams run alone, a thread each."""
+        results: list[str] = [""] * len(items)
+        for version, idx in _by_version(items).items():
+            bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
+            if len(generations) > 1:
+                decoded = await asyncio.to_thread(
+                    bundle.generate_ids_batch, [g.ids for g in generations],
+                    [{"max_tokens": g.max_tokens, **g.settings} for g in generations], [g.cancel for g in generations])
+                for g, tokens in zip(generations, decoded):
+                    g.decoded = tokens
+                texts = ["".join(g.pieces()) for g in generations]
+            else:
+                texts = [await asyncio.to_thread(lambda: "".join(generations[0].pieces()))]
+            self.m_batch.observe(len(idx), tags={"model": self.model_name, "version": version})
+            for i, text in zip(idx, texts):
+                results[i] = text
+        return results
 
     async def _send(self, events: Iterator[bytes], generation: _Generation, version: str):
         """The stream's events, each produced in a thread. Past `serve.request_timeout_s` the stream

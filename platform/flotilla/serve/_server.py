@@ -163,7 +163,7 @@ class _ModelServer:
         if hasattr(self, "_forward"):
             self._forward.set_max_batch_size(config.max_batch_size)
             self._forward.set_batch_wait_timeout_s(
-                config.generate_wait_s if self.task_kind == "generator" else config.batch_wait_timeout_s)
+                config.generate_wait_s if self.task_kind in ("generator", "chat") else config.batch_wait_timeout_s)
         self.max_batch = config.max_batch_size
         self.bundles = {v: b for v, b in bundles.items() if v in wanted}
         self.split, self.aliases, self.shadow = split, config.aliases, config.shadow

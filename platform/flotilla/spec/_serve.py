@@ -53,9 +53,9 @@ class BatchingSpec(_Section):
     generate_wait_s: float = Field(
         0.005,
         ge=0,
-        description="Generators: how long a whole-text request waits for others to decode with (one forward pass "
-        "per token for all of them). A generation takes far longer; a request that comes later starts a batch of "
-        "its own at once instead of waiting for a running one.",
+        description="Generators and chat endpoints: how long a whole-text request waits for others to decode with "
+        "(one forward pass per token for all of them). A generation takes far longer; a request that comes later "
+        "starts a batch of its own at once instead of waiting for a running one.",
     )
 
 
