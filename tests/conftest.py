@@ -31,7 +31,7 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # equal halves. Each lane is one process that runs its modules in file order, so module- and
 # session-scoped fixtures are built once. The unit tests join the second lane.
 OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming",
-                "test_bad_input", "test_tracking_server", "test_tune"}
+                "test_bad_input", "test_finetune_weights", "test_tracking_server", "test_tune"}
 
 
 def lane(nodeid: str) -> str:
@@ -233,3 +233,14 @@ def tables_champion(digits_champion) -> TrainedModel:
     store = digits_champion.store
     spec = tables_spec(store, overrides=["export.after_training=true"])  # its ONNX variants too
     return TrainedModel(spec, run_training(spec), store)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random-weight Llama and its freshly trained tokenizer, saved as a pretrained directory that
+    `model.pretrained` can name (nothing downloaded); built once per session (~1 s), read-only."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from flotilla.models._hf_tiny import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

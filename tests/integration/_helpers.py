@@ -198,3 +198,10 @@ def worker_killed_after_first_checkpoint(run_dir: Path):
     killer.start()
     yield killed
     killer.join(timeout=5)
+
+
+def instruct_spec(store: Path, tiny_llama: str, *overrides: str) -> RunSpec:
+    """configs/instruct_lora.yaml on the tiny Llama at `tiny_llama`, its runs and MLflow store under `store`."""
+    return load_spec(ROOT / "configs" / "instruct_lora.yaml", [
+        f"model.pretrained={tiny_llama}", f"train.storage_path={store / 'runs'}", f"track.uri={store_uri(store)}",
+        *overrides])

@@ -18,21 +18,13 @@ import pytest
 import requests
 import torch
 
-from flotilla.spec import load_spec
 from flotilla.train import run_training
 from tests.services import free_port
 
-from ._helpers import (ROOT, metric_steps, metric_sum, metrics_text, mlflow_runs, store_uri, wait_for,
+from ._helpers import (instruct_spec, metric_steps, metric_sum, metrics_text, mlflow_runs, store_uri, wait_for,
                        worker_killed_after_first_checkpoint)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from flotilla.models._hf_tiny import build_tiny_llama
-
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @dataclass
@@ -41,12 +33,6 @@ class FineTuned:
     outcome: object
     store: Path
     killed: list[int]
-
-
-def instruct_spec(store: Path, tiny_llama: str, *overrides: str):
-    return load_spec(ROOT / "configs" / "instruct_lora.yaml", [
-        f"model.pretrained={tiny_llama}", f"train.storage_path={store / 'runs'}", f"track.uri={store_uri(store)}",
-        *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -211,31 +197,3 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
     finally:
         serve.shutdown()
 
-
-@pytest.mark.parametrize("adaptation, stage", [("full", 2), ("freeze", 3)])
-def test_full_and_partly_frozen_fine_tuning_train_on_two_workers(ray_cluster, tiny_llama, tmp_path, adaptation, stage):
-    """Every weight (ZeRO-2), or every weight but the embeddings and the first layer (ZeRO-3, where
-    frozen parameters are partitioned too): the trained weights are in the bundle, the frozen ones
-    exactly as pretrained."""
-    from transformers import AutoModelForCausalLM
-
-    from flotilla._hf_bundle import ADAPTER_DIR, load_hf_bundle
-    from flotilla.bundle import load_bundle
-
-    frozen = ["model.embed_tokens", "model.layers.0."] if adaptation == "freeze" else []
-    outcome = run_training(instruct_spec(
-        tmp_path, tiny_llama, f"model.adaptation={adaptation}", f"model.freeze=[{', '.join(frozen)}]",
-        f"train.zero_stage={stage}", "train.precision=fp32", "train.epochs=2", "train.lr=0.001",
-        f"train.run_name={adaptation}", "track.enabled=false"))
-    losses = [m["val_loss"] for m in outcome.history]
-    assert losses[1] < losses[0], losses
-    assert (outcome.metrics["zero_stage"], outcome.metrics["world_size"]) == (stage, 2)
-    bundle_dir = Path(outcome.bundle_path)
-    assert not (bundle_dir / ADAPTER_DIR).exists()  # an adapter is a LoRA run's alone
-    assert load_bundle(bundle_dir).metrics["bundle_check_max_abs_diff"] < 1e-5
-    trained = load_hf_bundle(bundle_dir).model.state_dict()
-    pretrained = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
-    assert trained.keys() == pretrained.keys()
-    unchanged = sorted(name for name in trained if torch.equal(trained[name], pretrained[name]))
-    assert unchanged == sorted(name for name in trained if name.startswith(tuple(frozen))), unchanged
-    assert bool(unchanged) == bool(frozen)
