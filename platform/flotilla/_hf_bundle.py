@@ -128,16 +128,11 @@ class HFBundle:
         """Yield sampled token ids after `ids` (keys and values cached: one token's forward per step),
         until an end-of-text token (not yielded) or `max_tokens`. `top_p` < 1 samples from the
         smallest set of tokens whose probabilities add up to it (nucleus sampling)."""
-        from flotilla.bundle import sample_token
-
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stops, device = self.stop_ids(), self.device
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
         for _ in range(max_tokens):
-            logits = out.logits[0, -1].float().cpu()
-            if top_p < 1.0 and temperature > 0:
-                logits = _nucleus(logits / temperature, top_p) * temperature
-            token = sample_token(logits, temperature, top_k, generator)
+            token = _sample(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator)
             if token in stops:
                 return
             yield token
@@ -152,9 +147,7 @@ class HFBundle:
         positions start at its first real token. A row ends at an end-of-text token, after its
         `max_tokens`, or once its event in `ended` (a `threading.Event`) is set; when every row
         has ended, no more forward passes run."""
-        from flotilla.bundle import sample_token
-
-        n, device, stops = len(prompts), self.device, self.stop_ids()
+        device, stops = self.device, self.stop_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = max(map(len, prompts))
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -163,7 +156,7 @@ class HFBundle:
         generators = [torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None
                       for s in settings]
         out_ids: list[list[int]] = [[] for _ in prompts]
-        done = [False] * n
+        done = [False] * len(prompts)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
         for step in range(max(int(s["max_tokens"]) for s in settings)):
             logits = out.logits[:, -1].float().cpu()
@@ -171,10 +164,8 @@ class HFBundle:
                 if done[i] or step >= int(s["max_tokens"]) or (ended is not None and ended[i].is_set()):
                     done[i] = True
                     continue
-                row, temperature, top_p = logits[i], float(s.get("temperature", 1.0)), float(s.get("top_p", 1.0))
-                if top_p < 1.0 and temperature > 0:
-                    row = _nucleus(row / temperature, top_p) * temperature
-                token = sample_token(row, temperature, None, generators[i])
+                token = _sample(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
+                                generators[i])
                 if token in stops:
                     done[i] = True
                 else:
@@ -248,6 +239,15 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
     schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
                     metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, generator) -> int:
+    """One token from one position's logits, as `generate_ids` and `generate_ids_batch` both sample."""
+    from flotilla.bundle import sample_token
+
+    if top_p < 1.0 and temperature > 0:
+        logits = _nucleus(logits / temperature, top_p) * temperature
+    return sample_token(logits, temperature, top_k, generator)
 
 
 def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
