@@ -238,9 +238,11 @@ def tables_champion(digits_champion) -> TrainedModel:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A random-weight Llama and its freshly trained tokenizer, saved as a pretrained directory that
-    `model.pretrained` can name (nothing downloaded); built once per session (~1 s), read-only."""
+    `model.pretrained` can name (nothing downloaded); built once per session (~1 s), read-only. Its
+    context is long (rotary positions: no weights grow with it), so that an endpoint serving it
+    can be asked for generations that take minutes."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     from flotilla.models._hf_tiny import build_tiny_llama
 
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_positions=65536))

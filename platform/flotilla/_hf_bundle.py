@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -124,15 +124,18 @@ class HFBundle:
 
     @torch.inference_mode()
     def generate_ids(self, ids: list[int], max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
-                     seed: int | None = None, top_p: float = 1.0) -> Iterator[int]:
+                     seed: int | None = None, top_p: float = 1.0,
+                     logit_bias: dict[int, float] | None = None) -> Iterator[int]:
         """Yield sampled token ids after `ids` (keys and values cached: one token's forward per step),
         until an end-of-text token (not yielded) or `max_tokens`. `top_p` < 1 samples from the
-        smallest set of tokens whose probabilities add up to it (nucleus sampling)."""
+        smallest set of tokens whose probabilities add up to it (nucleus sampling); `logit_bias`
+        (token id -> bias) is added to the logits first, as OpenAI's parameter of that name is
+        (-100 bans a token)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        stops, device = self.stop_ids(), self.device
+        stops, device, bias = self.stop_ids(), self.device, _bias(logit_bias)
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
         for _ in range(max_tokens):
-            token = _sample(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator)
+            token = _sample(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
             if token in stops:
                 return
             yield token
@@ -140,13 +143,15 @@ class HFBundle:
 
     @torch.inference_mode()
     def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
-                           ended: list[Any] | None = None) -> list[list[int]]:
+                           ended: list[Any] | None = None,
+                           on_token: Callable[[int, int], bool] | None = None) -> list[list[int]]:
         """Several prompts decoded together, one forward pass per token for all of them: each row
         the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
-        `temperature`, `top_p`, `seed`). The prompts are left-padded, masked, and each row's
-        positions start at its first real token. A row ends at an end-of-text token, after its
-        `max_tokens`, or once its event in `ended` (a `threading.Event`) is set; when every row
-        has ended, no more forward passes run."""
+        `temperature`, `top_p`, `seed`, `logit_bias`). The prompts are left-padded, masked, and
+        each row's positions start at its first real token. A row ends at an end-of-text token,
+        after its `max_tokens`, once its event in `ended` (a `threading.Event`) is set, or after a
+        token for which `on_token(row, token)` answers true (a stop string has appeared); when
+        every row has ended, no more forward passes run."""
         device, stops = self.device, self.stop_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = max(map(len, prompts))
@@ -155,6 +160,7 @@ class HFBundle:
         tokens = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=device)
         generators = [torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None
                       for s in settings]
+        biases = [_bias(s.get("logit_bias")) for s in settings]
         out_ids: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -165,11 +171,12 @@ class HFBundle:
                     done[i] = True
                     continue
                 token = _sample(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
-                                generators[i])
+                                generators[i], biases[i])
                 if token in stops:
                     done[i] = True
                 else:
                     out_ids[i].append(token)
+                    done[i] = on_token is not None and bool(on_token(i, token))
             if all(done):
                 break
             # A row that has ended repeats its last token; its logits go unread.
@@ -241,10 +248,20 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
                     metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, generator) -> int:
+def _bias(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`logit_bias` as the token ids and the biases `_sample` adds to their logits."""
+    if not logit_bias:
+        return None
+    return torch.tensor(list(logit_bias), dtype=torch.long), torch.tensor(list(logit_bias.values()))
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, generator,
+            bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """One token from one position's logits, as `generate_ids` and `generate_ids_batch` both sample."""
     from flotilla.bundle import sample_token
 
+    if bias is not None:
+        logits = logits.index_add(0, *bias)
     if top_p < 1.0 and temperature > 0:
         logits = _nucleus(logits / temperature, top_p) * temperature
     return sample_token(logits, temperature, top_k, generator)

@@ -21,8 +21,8 @@ import torch
 from flotilla.train import run_training
 from tests.services import free_port
 
-from ._helpers import (instruct_spec, metric_steps, metric_sum, metrics_text, mlflow_runs, store_uri, wait_for,
-                       worker_killed_after_first_checkpoint)
+from ._helpers import (assert_leaving_clients_stop_generating, instruct_spec, metric_steps, metric_sum, metrics_text,
+                       mlflow_runs, store_uri, wait_for, worker_killed_after_first_checkpoint)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -116,7 +116,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
     from flotilla.serve import deploy, plan_deployment
 
     spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
-                         "serve.max_new_tokens=24")
+                         "serve.max_new_tokens=60000", "serve.autoscaling.max_replicas=1")
     endpoint = deploy(plan_deployment(spec))
     try:
         assert endpoint.plan.kind == "chat"
@@ -169,8 +169,11 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         # What it cannot do is refused in OpenAI's error shape, naming the field.
         with pytest.raises(UnprocessableEntityError, match="only n=1 is supported"):
             client.chat.completions.create(model="instruct-lora", messages=question, n=2)
-        with pytest.raises(UnprocessableEntityError, match=r"above this endpoint's limit of 24 \(serve.max_new_tokens\)"):
-            client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=100)
+        with pytest.raises(UnprocessableEntityError, match=r"above this endpoint's limit of 60000 \(serve.max_new_tokens\)"):
+            client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=60001)
+        with pytest.raises(UnprocessableEntityError, match=r"logit_bias: token 600 is not in this model's vocabulary"):
+            client.chat.completions.create(model="instruct-lora", messages=question, logit_bias={"600": -100})
+        _clients_that_leave_stop_their_generation(endpoint.url, bundle.tokenizer.eos_token_id)
         with pytest.raises(NotFoundError, match="not served here"):
             client.chat.completions.create(model="gpt-4o", messages=question)
         raw = requests.post(endpoint.url + "/v1/chat/completions", json={"model": "instruct-lora", "messages": []},
@@ -197,3 +200,15 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
     finally:
         serve.shutdown()
 
+
+def _clients_that_leave_stop_their_generation(url: str, eos: int) -> None:
+    """With the end of its turn banned (`logit_bias`), the model writes until `max_tokens`: 60000
+    tokens are minutes of a core. A client that leaves, streaming or waiting for the whole text,
+    stops its generation within a token."""
+    body = {"model": "instruct-lora", "messages": [{"role": "user", "content": "Tell me everything."}],
+            "temperature": 1.0, "seed": 5, "logit_bias": {str(eos): -100}}
+    # The ban holds: a bounded request runs to its max_tokens.
+    answer = requests.post(url + "/v1/chat/completions", json={**body, "max_tokens": 300}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["usage"]["completion_tokens"], answer.json()["choices"][0]["finish_reason"]) == (300, "length")
+    assert_leaving_clients_stop_generating("instruct-lora", url + "/v1/chat/completions", {**body, "max_tokens": 60000})

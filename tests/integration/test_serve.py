@@ -26,8 +26,9 @@ import requests
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
 from tests.conftest import GPT_TEST
-from tests.integration._helpers import (ROOT, digits_spec, digits_val_rows, haproxy_processes, messy_table, metric_sum,
-                                        metrics_text, store_uri, tables_spec, wait_for)
+from tests.integration._helpers import (ROOT, assert_leaving_clients_stop_generating, digits_spec, digits_val_rows,
+                                        haproxy_processes, messy_table, metric_sum, metrics_text, store_uri, tables_spec,
+                                        wait_for)
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -566,9 +567,6 @@ def test_a_full_queue_answers_503_and_a_slow_request_504(served):
 
 
 def test_a_client_that_goes_away_stops_its_generation(served):
-    import psutil
-    from ray.util.state import list_actors
-
     from flotilla.serve import deploy, plan_deployment
 
     spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
@@ -577,31 +575,6 @@ def test_a_client_that_goes_away_stops_its_generation(served):
         "serve.max_new_tokens=100000", "serve.request_timeout_s=600"])
     url = deploy(plan_deployment(spec)).url + "/generate"
     endless = {"prompt": "def ", "max_tokens": 100000, "temperature": 0.0}  # minutes of a core if left running
-    (replica,) = [a for a in list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")], limit=1000)
-                  if a.class_name.startswith("ServeReplica:pycode-gpt:")]
-    process = psutil.Process(replica.pid)
-
-    def cpu_seconds_over(seconds: float) -> float:  # a generating replica burns ~1 s of CPU a second
-        time.sleep(0.5)  # the disconnect reaches the replica
-        before = sum(process.cpu_times()[:2])
-        time.sleep(seconds)
-        return sum(process.cpu_times()[:2]) - before
-
-    # A stream whose reader leaves after a few tokens.
-    with requests.post(url, json={**endless, "stream": True}, stream=True, timeout=60) as r:
-        assert r.status_code == 200
-        events = 0
-        for line in r.iter_lines(decode_unicode=True):
-            events += line.startswith("data: ")
-            if events == 5:
-                break
-    assert events == 5
-    assert cpu_seconds_over(2) < 0.4, "the replica kept generating for a stream whose client left"
-    # Whole-text requests whose clients give up before the answer: several, since HAProxy with Ray's
-    # `option splice-request` (which Flotilla's wrapper removes) lost about 1 close in 4.
-    for _ in range(4):
-        with pytest.raises(requests.ReadTimeout):
-            requests.post(url, json=endless, timeout=1)
-        assert cpu_seconds_over(1) < 0.2, "the replica kept generating for a request whose client left"
+    assert_leaving_clients_stop_generating("pycode-gpt", url, endless)
     answer = post(url, {"prompt": "def ", "max_tokens": 5, "temperature": 0.0})
     assert answer.status_code == 200 and len(answer.json()["text"]) > 0, answer.text

@@ -97,12 +97,65 @@ def test_prompts_decoded_together_get_the_tokens_each_gets_alone(trained):
     prompts.append(loaded.encode("def f(x):"))
     settings = [{"max_tokens": 12, "temperature": 0.0}, {"max_tokens": 5, "temperature": 1.0, "seed": 3},
                 {"max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 1}, {"max_tokens": 9, "temperature": 1.0}]
+    settings.append({"max_tokens": 10, "temperature": 0.0, "logit_bias": {2: -100.0, 300: 3.0}})
+    prompts.append(prompts[0])
     alone = [list(loaded.generate_ids(p, **s)) for p, s in zip(prompts, settings)]
     ended = [threading.Event() for _ in prompts]
     ended[3].set()  # (the row without a seed: its client went away)
     together = loaded.generate_ids_batch(prompts, settings, ended)
-    assert together[:3] == alone[:3] and together[3] == []
-    assert len({len(p) for p in prompts}) == len(prompts) and any(len(ids) > 1 for ids in alone)
+    assert together[:3] == alone[:3] and together[3] == [] and together[4] == alone[4]
+    assert len({len(p) for p in prompts[:4]}) == 4 and any(len(ids) > 1 for ids in alone)
+    assert alone[4] != alone[0]  # the bias made a difference
+    # A row that `on_token` ends stops there; the others go on.
+    cut = loaded.generate_ids_batch(prompts[:3], settings[:3], on_token=lambda row, token: row == 0)
+    assert cut == [alone[0][:1], *alone[1:3]]
+
+
+def test_logit_bias_bans_or_forces_tokens(trained):
+    """OpenAI's `logit_bias`: -100 bans a token (here the end of the turn: the text runs to
+    max_tokens), 100 all but forces one; the same dict leaves other settings' sampling intact."""
+    _, bundle = trained
+    loaded = load_hf_bundle(bundle)
+    prompt = loaded.encode("What is 12 plus 7?", chat=True)
+    eos = loaded.tokenizer.eos_token_id
+    greedy = list(loaded.generate_ids(prompt, max_tokens=40, temperature=0.0))
+    first = greedy[0]
+    banned = list(loaded.generate_ids(prompt, max_tokens=40, temperature=0.0, logit_bias={first: -100.0}))
+    assert banned[0] != first
+    forced = list(loaded.generate_ids(prompt, max_tokens=6, temperature=1.0, seed=1, logit_bias={300: 100.0}))
+    assert forced == [300] * 6
+    endless = list(loaded.generate_ids(prompt, max_tokens=200, temperature=1.0, seed=2, logit_bias={eos: -100.0}))
+    assert len(endless) == 200 and eos not in endless
+
+
+def test_stop_strings_end_rows_decoded_together_early_with_the_text_each_gets_alone(trained):
+    """The chat endpoint's batched decoding: each request's text and token count are those it
+    gets alone, and a row whose stop string has appeared stops decoding there."""
+    from flotilla.serve._chat import _Generation, decode_together
+
+    _, bundle = trained
+    loaded = load_hf_bundle(bundle)
+    eos = loaded.tokenizer.eos_token_id
+    asks = [("What is 12 plus 7?", dict(temperature=0.0)), ("Hi", dict(temperature=1.0, seed=4)),
+            ("Tell me a story", dict(temperature=0.9, top_p=0.9, seed=5))]
+
+    def generations(stops):
+        return [_Generation(loaded, loaded.encode(q, chat=True), 60, stops(i), logit_bias={eos: -100.0}, **s)
+                for i, (q, s) in enumerate(asks)]
+
+    whole = ["".join(g.pieces()) for g in generations(lambda i: None)]
+    assert all(len(t) > 20 for t in whole), whole
+    stops = [[whole[0][8:10]], [whole[1][12:14], "\u00e9\u00e9"], None]  # the third has none
+    assert all(whole[i].find(stop[0]) > 0 for i, stop in enumerate(stops[:2]))
+    alone = generations(lambda i: stops[i])
+    texts_alone = ["".join(g.pieces()) for g in alone]
+    together = generations(lambda i: stops[i])
+    assert decode_together(loaded, together) == texts_alone
+    assert texts_alone[:2] == [whole[i][:whole[i].find(stops[i][0])] for i in range(2)] and texts_alone[2] == whole[2]
+    assert [g.completion_tokens for g in together] == [g.completion_tokens for g in alone]
+    assert [g.finish for g in together] == ["stop", "stop", "length"]
+    assert [len(g.decoded) for g in together[:2]] == [g.completion_tokens for g in alone[:2]]  # decoding ended there
+    assert len(together[2].decoded) == 60
 
 
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):

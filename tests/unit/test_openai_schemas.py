@@ -74,12 +74,14 @@ def test_chat_completions_from_the_stock_client(client):
         model="instruct", messages=[{"role": "developer", "content": "Be brief."},
                                     {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
         max_completion_tokens=16, temperature=0.7, top_p=0.9, n=1, stop=["\n\n"], seed=3, user="u1",
-        frequency_penalty=0, presence_penalty=0.0, logprobs=False, metadata={"team": "a"}, store=False)
+        frequency_penalty=0, presence_penalty=0.0, logprobs=False, metadata={"team": "a"}, store=False,
+        logit_bias={"2": -100, "300": 5})
     assert answer.choices[0].message.content == "Hello world" and answer.choices[0].finish_reason == "stop"
     assert answer.object == "chat.completion" and answer.usage.total_tokens == 7
     _, raw, request = _Stub.seen[-1]
     assert raw["max_completion_tokens"] == 16 and "stream" not in raw  # the client sends only what was passed
     assert request.token_limit == 16 and request.stop == ["\n\n"] and request.seed == 3
+    assert request.token_biases == {2: -100.0, 300: 5.0}
     assert request.template_messages() == [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Say hello."}]
 
@@ -121,7 +123,9 @@ def test_unsupported_requests_get_a_422_the_client_raises_with_the_field(client)
                          (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "`tools` is not supported"),
                          (dict(extra_body={"top_k": 5}), "top_k: unknown field; remove it"),
                          (dict(stop=["a", "b", "c", "d", "e"]), "at most 4"),
-                         (dict(temperature=3), "less than or equal to 2")]:
+                         (dict(temperature=3), "less than or equal to 2"),
+                         (dict(logit_bias={"2": -101}), "token 2: a bias is from -100 to 100; got -101"),
+                         (dict(logit_bias={"<|im_end|>": -100}), 'keys are token ids, such as "13"')]:
         with pytest.raises(openai.UnprocessableEntityError, match=says):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **kwargs)
     with pytest.raises(openai.UnprocessableEntityError, match="one prompt per request"):

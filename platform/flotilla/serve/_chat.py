@@ -7,7 +7,8 @@
 
 A stock OpenAI client works with `base_url="http://HOST:PORT{prefix}/v1"`. Both generate with or
 without `stream` (server-sent events, `data: [DONE]` last), honour `max_tokens` (capped by
-`serve.max_new_tokens` and the model's context), `temperature`, `top_p`, `seed` and `stop`, and
+`serve.max_new_tokens` and the model's context), `temperature`, `top_p`, `seed`, `stop` and
+`logit_bias`, and
 answer errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Versions,
 canary splits, sticky callers, limits, deadlines and metrics are those of every Flotilla endpoint
 (`flotilla.serve._server`); a stream whose client goes away stops generating at the next token.
@@ -20,7 +21,7 @@ import json
 import random
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,9 +51,10 @@ class _Generation:
     strings cut off (text that could begin one is held back until it cannot), and afterwards the
     finish reason and the token counts. Setting `cancel` ends it after the current token."""
 
-    def __init__(self, bundle, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed, stops):
+    def __init__(self, bundle, ids: list[int], max_tokens: int, stops, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int | None = None, logit_bias: dict[int, float] | None = None):
         self.bundle, self.ids, self.max_tokens, self.stops = bundle, ids, max_tokens, list(stops or [])
-        self.settings = dict(temperature=temperature, top_p=top_p, seed=seed)
+        self.settings = dict(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias)
         self.cancel = threading.Event()
         self.completion_tokens, self.finish, self.text = 0, "stop", ""
         self.done = False  # the text is complete (not cut short by a timeout or a client gone)
@@ -92,10 +94,24 @@ class _Generation:
             yield held
         self.done = not self.cancel.is_set()
 
+    def stop_seen(self) -> Callable[[int], bool]:
+        """A check to feed this generation's tokens one by one while they are decoded together with
+        others: true once its text holds a stop string (the row can end there; `pieces` then cuts
+        the text as it does alone)."""
+        tokens: list[int] = []
+
+        def seen(token: int) -> bool:
+            if not self.stops:
+                return False
+            tokens.append(token)
+            text = self.bundle.tokenizer.decode(tokens, skip_special_tokens=True)
+            return not text.endswith("\ufffd") and any(stop in text for stop in self.stops)
+
+        return seen
+
     def again(self, bundle) -> "_Generation":
         """The same request for another version (shadow mode)."""
-        s = self.settings
-        return _Generation(bundle, self.ids, self.max_tokens, s["temperature"], s["top_p"], s["seed"], self.stops)
+        return _Generation(bundle, self.ids, self.max_tokens, self.stops, **self.settings)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.ids), completion_tokens=self.completion_tokens,
@@ -106,6 +122,19 @@ def _fields(field: str, message: str):
     from flotilla.serve._schemas import ErrorField
 
     return [ErrorField(field=field, message=message)]
+
+
+def decode_together(bundle, generations: list[_Generation]) -> list[str]:
+    """The texts of several generations of one bundle, decoded together
+    (`HFBundle.generate_ids_batch`): each the text it gets alone; a row ends once its stop string
+    has appeared, or when its `cancel` is set."""
+    seen = [g.stop_seen() for g in generations]
+    decoded = bundle.generate_ids_batch([g.ids for g in generations],
+                                        [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
+                                        [g.cancel for g in generations], lambda row, token: seen[row](token))
+    for g, tokens in zip(generations, decoded):
+        g.decoded = tokens
+    return ["".join(g.pieces()) for g in generations]
 
 
 def _finish(generation: _Generation) -> Iterator[str]:
@@ -155,8 +184,10 @@ class Chat(_ModelServer):
         bundle = self.bundles[version]
         ids = self._prompt_ids(bundle, body, chat)
         max_tokens = self._token_limit(bundle, body, len(ids))
-        generation = _Generation(bundle, ids, max_tokens, body.temperature if body.temperature is not None else 1.0,
-                                 body.top_p if body.top_p is not None else 1.0, body.seed, body.stop)
+        generation = _Generation(bundle, ids, max_tokens, body.stop,
+                                 temperature=body.temperature if body.temperature is not None else 1.0,
+                                 top_p=body.top_p if body.top_p is not None else 1.0, seed=body.seed,
+                                 logit_bias=self._biases(bundle, body))
         headers = self.headers(version, bundle)
         if body.stream:
             stream = chat_stream if chat else completion_stream
@@ -190,6 +221,14 @@ class Chat(_ModelServer):
             return list(prompt)
         text = prompt[0] if isinstance(prompt, list) else prompt
         return bundle.encode(text) or [bundle.tokenizer.eos_token_id]
+
+    def _biases(self, bundle, body) -> dict[int, float] | None:
+        biases, vocab = body.token_biases, len(bundle.tokenizer)
+        outside = sorted(t for t in biases or () if t >= vocab)
+        if outside:
+            raise ApiError(422, f"invalid request: logit_bias: token {outside[0]} is not in this model's vocabulary "
+                                f"(ids 0 to {vocab - 1})", _fields("logit_bias", f"token ids below {vocab}"))
+        return biases
 
     def _token_limit(self, bundle, body, prompt_tokens: int) -> int:
         cap = self.limits.max_new_tokens
@@ -229,17 +268,12 @@ class Chat(_ModelServer):
         (`serve.batching.generate_wait_s`); each group of one version decodes in one forward pass per
         token (`HFBundle.generate_ids_batch`) in a thread of its own, so a request that arrives while
         others generate starts at once. Each request gets the text it gets alone: its own sampling
-        and seed, its stop strings applied to its own tokens. Streams run alone, a thread each."""
+        and seed, its decoding ended by its own stop strings. Streams run alone, a thread each."""
         results: list[str] = [""] * len(items)
         for version, idx in _by_version(items).items():
             bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
             if len(generations) > 1:
-                decoded = await asyncio.to_thread(
-                    bundle.generate_ids_batch, [g.ids for g in generations],
-                    [{"max_tokens": g.max_tokens, **g.settings} for g in generations], [g.cancel for g in generations])
-                for g, tokens in zip(generations, decoded):
-                    g.decoded = tokens
-                texts = ["".join(g.pieces()) for g in generations]
+                texts = await asyncio.to_thread(decode_together, bundle, generations)
             else:
                 texts = [await asyncio.to_thread(lambda: "".join(generations[0].pieces()))]
             self.m_batch.observe(len(idx), tags={"model": self.model_name, "version": version})

@@ -3,8 +3,8 @@ and errors in the shape OpenAI clients read.
 
 A stock `openai` client sends only the parameters its caller passed (plus `stream`), so every
 parameter of OpenAI's API is known here: the ones this server implements (model, prompt or
-messages, max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, stream,
-stream_options, user, metadata), and the others, accepted while they ask for the default
+messages, max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logit_bias,
+stream, stream_options, user, metadata), and the others, accepted while they ask for the default
 behaviour (`presence_penalty: 0`, `logprobs: false`, `tools: []`, ...) and refused with a 422
 naming the field otherwise, so no request is silently answered differently than it asked.
 A key OpenAI does not define is refused as unknown, as in every Flotilla schema.
@@ -14,6 +14,7 @@ Streams are server-sent events: `data: {chunk JSON}\n\n` per piece, then `data: 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional, Union
@@ -28,7 +29,6 @@ SSE_DONE = b"data: [DONE]\n\n"
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "tools": (None, []),
@@ -70,12 +70,14 @@ class _Request(_Body):
                                               "(not included in it).")
     seed: Optional[Annotated[int, Strict()]] = Field(None, description="Seed of the sampler: the same seed and "
                                                      "input give the same text.")
+    logit_bias: Optional[dict[str, Number]] = Field(
+        None, description="Token ids (as strings, e.g. \"13\") mapped to a bias from -100 to 100 added to their "
+        "logits before sampling: -100 bans a token, 100 all but forces it.")
     stream: Optional[bool] = Field(False, description="Send the text as server-sent events as it is generated.")
     stream_options: Optional[StreamOptions] = Field(None, description="With `stream`: `include_usage`.")
     # Accepted, not implemented: each must keep its default (see _DEFAULT_ONLY).
     frequency_penalty: Any = Field(None, description="Not implemented: leave out, or 0.")
     presence_penalty: Any = Field(None, description="Not implemented: leave out, or 0.")
-    logit_bias: Any = Field(None, description="Not implemented: leave out.")
     logprobs: Any = Field(None, description="Not implemented: leave out, or false.")
     # Accepted and ignored.
     user: Any = Field(None, description="Ignored.")
@@ -99,6 +101,16 @@ class _Request(_Body):
             raise ValueError(f"`stop` is a non-empty string or a list of at most {MAX_STOPS} of them")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not re.fullmatch(r"[0-9]{1,9}", key):
+                raise ValueError(f"keys are token ids, such as \"13\"; got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: a bias is from -100 to 100; got {bias:g}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _defaults_only(cls, raw: Any) -> Any:
@@ -113,6 +125,11 @@ class _Request(_Body):
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed with `stream: true`")
         return self
+
+    @property
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` with token ids as numbers; None when there is none."""
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def include_usage(self) -> bool:
