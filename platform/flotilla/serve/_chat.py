@@ -8,10 +8,10 @@
 A stock OpenAI client works with `base_url="http://HOST:PORT{prefix}/v1"`. Both generate with or
 without `stream` (server-sent events, `data: [DONE]` last), honour `max_tokens` (capped by
 `serve.max_new_tokens` and the model's context), `temperature`, `top_p`, `seed`, `stop` and
-`logit_bias`, and
-answer errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Versions,
-canary splits, sticky callers, limits, deadlines and metrics are those of every Flotilla endpoint
-(`flotilla.serve._server`); a stream whose client goes away stops generating at the next token.
+`logit_bias`, and answer errors in OpenAI's shape (`{"error": {"message", "type", "param",
+"code"}}`). Versions, canary splits, sticky callers, limits, deadlines and metrics are those of
+every Flotilla endpoint (`flotilla.serve._server`); a request whose client goes away, streamed or
+not, stops generating at the next token.
 Whole-text requests that arrive together decode together (`Chat._forward`).
 """
 
