@@ -10,6 +10,7 @@ checked against the model it trained, and the registered version answers a stock
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,13 +183,14 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         assert raw.headers.get("X-Model-Version") is None
 
         # Shadow mode: v2 (the same weights, registered again) mirrors every answered request, after
-        # the caller has its answer; greedy answers agree.
+        # the caller has its answer; greedy answers agree. (Deployed with a 2 s deadline, for below.)
         mlflow_client = MlflowClient(store_uri(finetuned.store))
         v1 = mlflow_client.get_model_version("instruct-lora", "1")
         mlflow.set_tracking_uri(store_uri(finetuned.store))
         mlflow_client.create_model_version("instruct-lora", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
         shadowed = instruct_spec(finetuned.store, tiny_llama, f"serve.port={endpoint.plan.serve.port}",
-                                 "serve.replica.num_cpus=0.5", "serve.shadow.target='2'", "serve.shadow.percent=100")
+                                 "serve.replica.num_cpus=0.5", "serve.shadow.target='2'", "serve.shadow.percent=100",
+                                 "serve.max_new_tokens=60000", "serve.request_timeout_s=2")
         endpoint = deploy(plan_deployment(shadowed))
         for _ in range(3):
             again = client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=10,
@@ -197,6 +199,18 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         agreed = wait_for(lambda: metric_sum(metrics_text(), "ray_flotilla_shadow_requests_total", version="2",
                                              agree="yes") >= 3, 60, "three agreeing shadow generations", interval_s=2)
         assert agreed
+        # Past serve.request_timeout_s a generation ends: a 504, or an error event that ends the stream.
+        endless = {"model": "instruct-lora", "messages": question, "max_tokens": 60000,
+                   "logit_bias": {str(bundle.tokenizer.eos_token_id): -100}}
+        late = requests.post(endpoint.url + "/v1/chat/completions", json=endless, timeout=60)
+        assert late.status_code == 504 and "(serve.request_timeout_s)" in late.json()["error"]["message"], late.text
+        assert late.json()["error"]["type"] == "server_error"
+        with requests.post(endpoint.url + "/v1/chat/completions", json={**endless, "stream": True}, stream=True,
+                           timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+        assert r.status_code == 200 and len(events) > 10 and "[DONE]" not in events, events[-3:]
+        error = json.loads(events[-1])["error"]
+        assert error["type"] == "server_error" and "(serve.request_timeout_s)" in error["message"], error
     finally:
         serve.shutdown()
 

@@ -142,3 +142,4 @@ def test_the_sse_format():
     assert len({b["id"] for b in bodies}) == 1 and bodies[-1]["choices"][0]["finish_reason"] == "stop"
     status, body = openai_error("model 'x' is not served here", 404)
     assert status == 404 and body["error"]["message"] == "model 'x' is not served here"
+    assert body["error"]["type"] == "invalid_request_error" and openai_error("late", 504)[1]["error"]["type"] == "server_error"

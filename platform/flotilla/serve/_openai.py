@@ -357,9 +357,10 @@ class OpenAIError(_Body):
 
 
 def openai_error(error: ValidationError | str, status: int = 422) -> tuple[int, dict[str, Any]]:
-    """The status and body for a refused request: each field's problem, the first field as `param`."""
+    """The status and body for a refused request: each field's problem, the first field as `param`
+    (OpenAI's types: `invalid_request_error` for what the caller can fix, `server_error` from 500 on)."""
     if isinstance(error, str):
-        detail = OpenAIErrorDetail(message=error, type="invalid_request_error")
+        detail = OpenAIErrorDetail(message=error, type="invalid_request_error" if status < 500 else "server_error")
         return status, OpenAIError(error=detail).model_dump()
     from flotilla.serve._schemas import validation_fields
 
