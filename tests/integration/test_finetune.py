@@ -182,12 +182,29 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         assert raw.status_code == 422 and raw.json()["error"]["param"] == "messages", raw.text
         assert raw.headers.get("X-Model-Version") is None
 
-        # Shadow mode: v2 (the same weights, registered again) mirrors every answered request, after
-        # the caller has its answer; greedy answers agree. (Deployed with a 2 s deadline, for below.)
+        # A canary split between v1 and v2 (the same weights, registered again): both answer, each
+        # caller who names itself (`X-User-Id`) stays with one version.
         mlflow_client = MlflowClient(store_uri(finetuned.store))
         v1 = mlflow_client.get_model_version("instruct-lora", "1")
         mlflow.set_tracking_uri(store_uri(finetuned.store))
         mlflow_client.create_model_version("instruct-lora", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
+        split = instruct_spec(finetuned.store, tiny_llama, f"serve.port={endpoint.plan.serve.port}",
+                              "serve.replica.num_cpus=0.5", "serve.traffic={'1': 50, '2': 50}")
+        endpoint = deploy(plan_deployment(split))
+
+        def version_of(user: str | None = None) -> str:
+            raw = client.chat.completions.with_raw_response.create(
+                model="instruct-lora", messages=question, max_tokens=10, temperature=0,
+                extra_headers={"X-User-Id": user} if user else None)
+            assert raw.parse().choices[0].message.content == expected
+            return raw.headers["X-Model-Version"]
+
+        assert {version_of() for _ in range(24)} == {"1", "2"}
+        pinned = {user: {version_of(user) for _ in range(3)} for user in ("ada", "bob", "cy", "dee", "eve", "fay")}
+        assert all(len(v) == 1 for v in pinned.values()), pinned
+
+        # Shadow mode: v2 mirrors every answered request, after the caller has its answer; greedy
+        # answers agree. (Deployed with a 2 s deadline, for below.)
         shadowed = instruct_spec(finetuned.store, tiny_llama, f"serve.port={endpoint.plan.serve.port}",
                                  "serve.replica.num_cpus=0.5", "serve.shadow.target='2'", "serve.shadow.percent=100",
                                  "serve.max_new_tokens=60000", "serve.request_timeout_s=2")
