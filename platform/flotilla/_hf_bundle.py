@@ -195,17 +195,13 @@ class HFBundle:
 
     def text_pieces(self, tokens: Iterator[int]) -> Iterator[str]:
         """The text of `tokens` as it grows, in pieces that never end inside a character."""
-        generated: list[int] = []
-        sent = ""
+        text = TextDecoder(self.tokenizer)
         for token in tokens:
-            generated.append(token)
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            if not text.endswith("\ufffd") and len(text) > len(sent):
-                yield text[len(sent):]
-                sent = text
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        if len(text) > len(sent):
-            yield text[len(sent):]
+            piece = text.add(token)
+            if piece:
+                yield piece
+        if rest := text.rest():
+            yield rest
 
     def generate(self, prompt: str, **kwargs) -> str:
         return "".join(self.generate_stream(prompt, **kwargs))
@@ -223,6 +219,39 @@ class HFBundle:
         settings = dict(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
                         top_k=int(p["top_k"]) or None, seed=None if int(p["seed"]) < 0 else int(p["seed"]))
         return pd.DataFrame({"text": [self.generate(str(x), **settings) for x in frame["prompt"]]})
+
+
+class TextDecoder:
+    """The text of a growing token sequence, a piece per token, as the tokenizer decodes the whole
+    sequence. Each step decodes the few tokens since the last piece, with those of the piece before
+    for context (a tokenizer may write a token's leading space only after another token), so a
+    token costs the same at the end of a long text as at its start; a byte-level token can hold
+    part of a character: its piece waits until the character is complete (the text then no longer
+    ends in U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens = tokenizer, []
+        self.start = self.done = 0  # tokens[start:done] were decoded as the last piece's context
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        """The text `token` completes ("" while a character is incomplete)."""
+        self.tokens.append(token)
+        return self._piece(final=False)
+
+    def rest(self) -> str:
+        """What is held back at the end (an incomplete character, as U+FFFD)."""
+        return self._piece(final=True)
+
+    def _piece(self, final: bool) -> str:
+        context = self._decode(self.tokens[self.start:self.done])
+        text = self._decode(self.tokens[self.start:])
+        if len(text) <= len(context) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.start, self.done = self.done, len(self.tokens)
+        return text[len(context):]
 
 
 def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFBundle:

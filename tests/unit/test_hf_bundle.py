@@ -111,6 +111,38 @@ def test_prompts_decoded_together_get_the_tokens_each_gets_alone(trained):
     assert cut == [alone[0][:1], *alone[1:3]]
 
 
+def test_text_pieces_are_the_whole_decoded_text_each_from_a_few_tokens(tiny_llama):
+    """Streamed pieces join into exactly what the tokenizer decodes from all the tokens, multi-byte
+    characters split across byte-level tokens and bytes that never form one included, while each
+    step decodes only the last few tokens (a token costs the same at the end of a long text)."""
+    import random
+    import textwrap
+
+    from transformers import AutoTokenizer
+
+    from flotilla._hf_bundle import HFBundle
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    longest = []
+
+    class Counting:  # the tokenizer, with the longest run of tokens it was asked to decode
+        def decode(self, ids, **kwargs):
+            longest.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    bundle = HFBundle(path=None, model=None, tokenizer=Counting(), model_spec={}, metrics={})
+    text = open(textwrap.__file__).read() + " héllo wörld ✓ 日本語 🙂 " * 40
+    ids = tokenizer(text)["input_ids"]
+    pieces = list(bundle.text_pieces(iter(ids)))
+    assert len(ids) > 3000 and "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces) and max(longest) <= 8, max(longest)
+    rng = random.Random(0)
+    noise = [rng.randrange(3, len(tokenizer)) for _ in range(2000)]  # with bytes that never form a character
+    longest.clear()
+    assert "".join(bundle.text_pieces(iter(noise))) == tokenizer.decode(noise, skip_special_tokens=True)
+    assert "\ufffd" in tokenizer.decode(noise) and max(longest) < 100
+
+
 def test_logit_bias_bans_or_forces_tokens(trained):
     """OpenAI's `logit_bias`: -100 bans a token (here the end of the turn: the text runs to
     max_tokens), 100 all but forces one; the same dict leaves other settings' sampling intact."""

@@ -98,14 +98,17 @@ class _Generation:
         """A check to feed this generation's tokens one by one while they are decoded together with
         others: true once its text holds a stop string (the row can end there; `pieces` then cuts
         the text as it does alone)."""
-        tokens: list[int] = []
+        from flotilla._hf_bundle import TextDecoder
+
+        decoder, longest, text = TextDecoder(self.bundle.tokenizer), max(map(len, self.stops), default=0), ""
 
         def seen(token: int) -> bool:
+            nonlocal text
             if not self.stops:
                 return False
-            tokens.append(token)
-            text = self.bundle.tokenizer.decode(tokens, skip_special_tokens=True)
-            return not text.endswith("\ufffd") and any(stop in text for stop in self.stops)
+            piece = decoder.add(token)
+            text = text[-longest:] + piece  # a stop string ends in the new piece, or it was seen before
+            return bool(piece) and any(stop in text for stop in self.stops)
 
         return seen
 
