@@ -143,15 +143,15 @@ class HFBundle:
 
     @torch.inference_mode()
     def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
-                           ended: list[Any] | None = None,
-                           on_token: Callable[[int, int], bool] | None = None) -> list[list[int]]:
+                           ended: list[Any] | None = None, on_token: Callable[[int, int], bool] | None = None,
+                           on_end: Callable[[int], None] | None = None) -> list[list[int]]:
         """Several prompts decoded together, one forward pass per token for all of them: each row
         the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
         `temperature`, `top_p`, `seed`, `logit_bias`). The prompts are left-padded, masked, and
         each row's positions start at its first real token. A row ends at an end-of-text token,
         after its `max_tokens`, once its event in `ended` (a `threading.Event`) is set, or after a
-        token for which `on_token(row, token)` answers true (a stop string has appeared); when
-        every row has ended, no more forward passes run."""
+        token for which `on_token(row, token)` answers true (a stop string has appeared); then
+        `on_end(row)` is called, once. When every row has ended, no more forward passes run."""
         device, stops = self.device, self.stop_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = max(map(len, prompts))
@@ -163,20 +163,28 @@ class HFBundle:
         biases = [_bias(s.get("logit_bias")) for s in settings]
         out_ids: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
+
+        def end(row: int) -> None:
+            if not done[row]:
+                done[row] = True
+                if on_end is not None:
+                    on_end(row)
+
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
         for step in range(max(int(s["max_tokens"]) for s in settings)):
             logits = out.logits[:, -1].float().cpu()
             for i, s in enumerate(settings):
                 if done[i] or step >= int(s["max_tokens"]) or (ended is not None and ended[i].is_set()):
-                    done[i] = True
+                    end(i)
                     continue
                 token = _sample(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
                                 generators[i], biases[i])
                 if token in stops:
-                    done[i] = True
-                else:
-                    out_ids[i].append(token)
-                    done[i] = on_token is not None and bool(on_token(i, token))
+                    end(i)
+                    continue
+                out_ids[i].append(token)
+                if (on_token is not None and on_token(i, token)) or len(out_ids[i]) >= int(s["max_tokens"]):
+                    end(i)
             if all(done):
                 break
             # A row that has ended repeats its last token; its logits go unread.
@@ -185,6 +193,8 @@ class HFBundle:
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, cache=out.cache,
                              use_cache=True)
+        for row in range(len(prompts)):  # (rows that asked for no tokens at all)
+            end(row)
         return out_ids
 
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,

@@ -146,7 +146,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
                                         temperature=0, stop=[stop])
         assert cut.choices[0].text == whole[:whole.find(stop)] and cut.choices[0].finish_reason == "stop"
         assert [m.id for m in client.models.list()] == ["instruct-lora"]
-        # Whole-text requests that arrive together decode together, each answered as it would be alone.
+        # Requests that arrive together decode together, each answered as it would be alone.
         asks = [(f"What is {a} plus {b}?", seed) for seed, (a, b) in enumerate([(3, 4), (12, 7), (25, 16), (8, 9),
                                                                               (40, 2), (6, 6)])]
         alone = [bundle.generate(q, max_tokens=10, temperature=seed % 2, seed=seed, chat=True) for q, seed in asks]
@@ -157,9 +157,16 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
                                                     max_tokens=10, temperature=seed % 2, seed=seed)
             return answer.choices[0].message.content
 
+        def ask_streamed(q_seed):
+            q, seed = q_seed
+            chunks = client.chat.completions.create(model="instruct-lora", messages=[{"role": "user", "content": q}],
+                                                    max_tokens=10, temperature=seed % 2, seed=seed, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
         with ThreadPoolExecutor(len(asks)) as pool:
             for _ in range(3):
                 assert list(pool.map(ask, asks)) == alone
+                assert list(pool.map(ask_streamed, asks)) == alone  # streams that arrive together, too
 
         def shared():  # some batch held more than one request (Ray exports the histogram's buckets exactly)
             text = metrics_text()

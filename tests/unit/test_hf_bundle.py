@@ -190,6 +190,53 @@ def test_stop_strings_end_rows_decoded_together_early_with_the_text_each_gets_al
     assert len(together[2].decoded) == 60
 
 
+def test_streams_decoded_together_get_each_token_as_it_is_decoded(trained):
+    """The chat endpoint's batched streams: one forward pass per token for all rows, each row's
+    pieces those it streams alone, short rows' streams complete while a long one still decodes,
+    and a failed decoding raised in every stream still open."""
+    import queue
+    import threading
+
+    from flotilla.serve._chat import _Generation, stream_together
+
+    _, bundle = trained
+    loaded = load_hf_bundle(bundle)
+    eos = loaded.tokenizer.eos_token_id
+    asks = [("What is 12 plus 7?", 6, dict(temperature=0.0)), ("Hi", 40, dict(temperature=1.0, seed=4)),
+            ("Tell me a story", 1000, dict(temperature=0.9, top_p=0.9, seed=5, logit_bias={eos: -100.0}))]
+
+    def generations(feed: bool = True):
+        made = [_Generation(loaded, loaded.encode(q, chat=True), n, None, **s) for q, n, s in asks]
+        for g in made:
+            g.feed = queue.SimpleQueue() if feed else None
+        return made
+
+    alone = generations(feed=False)
+    alone_pieces = [list(g.pieces()) for g in alone]
+    forwards = []
+    hook = loaded.model.register_forward_hook(lambda *_: forwards.append(1))
+    together = generations()
+    decoding = threading.Thread(target=stream_together, args=(loaded, together))
+    decoding.start()
+    streamed = [list(together[0].pieces()), list(together[1].pieces())]
+    assert decoding.is_alive()  # the third row decodes on (its end of turn banned) while the others have ended
+    streamed.append(list(together[2].pieces()))
+    decoding.join(timeout=60)
+    hook.remove()
+    assert streamed == alone_pieces
+    assert [(g.completion_tokens, g.finish) for g in together] == [(g.completion_tokens, g.finish) for g in alone]
+    assert together[2].completion_tokens == 1000
+    assert len(forwards) == 1000  # the prompts, then one pass per token after the first, for all three rows
+
+    broken = generations()
+    broken[1].settings["logit_bias"] = {10**6: 1.0}  # an id past the vocabulary: the batch's decoding fails
+    with pytest.raises(IndexError):
+        stream_together(loaded, broken)
+    for g in broken:
+        with pytest.raises(IndexError):
+            list(g.pieces())
+
+
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):
     _, bundle = trained
     with pytest.raises(BundleError, match=r"not a complete language-model bundle: missing config.json, "

@@ -12,15 +12,18 @@ without `stream` (server-sent events, `data: [DONE]` last), honour `max_tokens` 
 "code"}}`). Versions, canary splits, sticky callers, limits, deadlines and metrics are those of
 every Flotilla endpoint (`flotilla.serve._server`); a request whose client goes away, streamed or
 not, stops generating at the next token.
-Whole-text requests that arrive together decode together (`Chat._forward`).
+Requests that arrive together decode together: whole-text ones (`Chat._forward`) and streams
+(`Chat._stream_together`), each kind in batches of its own.
 """
 
 # No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
 import asyncio
 import json
+import queue
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from fastapi import Request
@@ -41,6 +44,7 @@ from flotilla.serve._openai import (
     new_id,
     openai_error,
 )
+from flotilla.serve._replica_config import ReplicaConfig
 from flotilla.serve._server import ApiError, _api, _by_version, _ModelServer, logger
 
 chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.")
@@ -59,10 +63,15 @@ class _Generation:
         self.completion_tokens, self.finish, self.text = 0, "stop", ""
         self.done = False  # the text is complete (not cut short by a timeout or a client gone)
         self.decoded: list[int] | None = None  # its tokens, when decoded together with others (Chat._forward)
+        self.feed: queue.SimpleQueue | None = None  # its tokens as a batch of streams decodes them, then None
 
     def _tokens(self) -> Iterator[int]:
-        source = self.decoded if self.decoded is not None else \
-            self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings)
+        if self.decoded is not None:
+            source = self.decoded
+        elif self.feed is not None:
+            source = self._fed()
+        else:
+            source = self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings)
         for token in source:
             if self.cancel.is_set():
                 return
@@ -70,6 +79,12 @@ class _Generation:
             yield token
         if self.completion_tokens == self.max_tokens:
             self.finish = "length"
+
+    def _fed(self) -> Iterator[int]:
+        while (item := self.feed.get()) is not None:
+            if isinstance(item, BaseException):  # the batch's decoding failed
+                raise item
+            yield item
 
     def pieces(self) -> Iterator[str]:
         held = ""
@@ -140,6 +155,31 @@ def decode_together(bundle, generations: list[_Generation]) -> list[str]:
     return ["".join(g.pieces()) for g in generations]
 
 
+def stream_together(bundle, generations: list[_Generation]) -> None:
+    """Streams of one bundle decoded together: each token goes into its generation's `feed` as soon
+    as it is decoded, a None when its row has ended (at its stop string too), the error in every
+    feed still open if the decoding fails."""
+    seen = [g.stop_seen() for g in generations]
+    open_rows = set(range(len(generations)))
+
+    def on_token(row: int, token: int) -> bool:
+        generations[row].feed.put(token)
+        return seen[row](token)
+
+    def on_end(row: int) -> None:
+        open_rows.discard(row)
+        generations[row].feed.put(None)
+
+    try:
+        bundle.generate_ids_batch([g.ids for g in generations],
+                                  [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
+                                  [g.cancel for g in generations], on_token, on_end)
+    except BaseException as e:
+        for row in open_rows:
+            generations[row].feed.put(e)
+        raise
+
+
 def _finish(generation: _Generation) -> Iterator[str]:
     """The finish reason, read once the pieces are exhausted (the streams call `next` on it then)."""
     yield generation.finish
@@ -151,6 +191,18 @@ def _finish(generation: _Generation) -> Iterator[str]:
 class Chat(_ModelServer):
     task_kind = "chat"
     example = '{"model": "NAME", "messages": [{"role": "user", "content": "What is 2 plus 3?"}]}'
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._streaming: set[asyncio.Task] = set()  # batches of streams being decoded (held: the loop keeps weak refs)
+        # Threads of their own for decoding streams: the default pool's threads wait for the tokens.
+        self._decoders = ThreadPoolExecutor(max_workers=64, thread_name_prefix="flotilla-streams")
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        await super().reconfigure(user_config)
+        config = ReplicaConfig.model_validate(user_config)
+        self._stream_together.set_max_batch_size(config.max_batch_size)
+        self._stream_together.set_batch_wait_timeout_s(config.generate_wait_s)
 
     def warm_up(self, bundle, rows: int) -> None:
         list(bundle.generate_ids(bundle.encode("Hi"), max_tokens=1, temperature=0.0))
@@ -193,6 +245,7 @@ class Chat(_ModelServer):
                                  logit_bias=self._biases(bundle, body))
         headers = self.headers(version, bundle)
         if body.stream:
+            generation.feed = queue.SimpleQueue()  # decoded with the streams that arrive with it (`_send`)
             stream = chat_stream if chat else completion_stream
             events = stream(self.model_name, generation.pieces(), _finish(generation),
                             generation.usage if body.include_usage else None)
@@ -284,12 +337,36 @@ class Chat(_ModelServer):
                 results[i] = text
         return results
 
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
+    async def _stream_together(self, items: list[tuple[str, Any, _Generation]]) -> list[None]:
+        """`@serve.batch` groups the streams that arrive together (`serve.batching.generate_wait_s`);
+        each group of one version decodes in one forward pass per token in a thread of its own
+        (`stream_together`), each token sent on to its stream as soon as it is decoded. Returns
+        when every row has ended."""
+        groups = [(version, items[idx[0]][1], [items[i][2] for i in idx]) for version, idx in _by_version(items).items()]
+        for version, _, generations in groups:
+            self.m_batch.observe(len(generations), tags={"model": self.model_name, "version": version})
+        loop = asyncio.get_running_loop()
+        outcomes = await asyncio.gather(*(loop.run_in_executor(self._decoders, stream_together, bundle, generations)
+                                          for _, bundle, generations in groups), return_exceptions=True)
+        for (version, _, _), outcome in zip(groups, outcomes):
+            if isinstance(outcome, BaseException):  # each of its streams ends with an error event
+                logger.error("decoding streams of %s v%s failed: %s: %s", self.model_name, version,
+                             type(outcome).__name__, outcome)
+        return [None] * len(items)
+
     async def _send(self, events: Iterator[bytes], generation: _Generation, version: str):
-        """The stream's events, each produced in a thread. Past `serve.request_timeout_s` the stream
-        ends with an OpenAI-shaped error event; a client that goes away stops the generation."""
+        """The stream's events, each produced in a thread as its tokens arrive from the batch it
+        joins here (`_stream_together`). Past `serve.request_timeout_s` the stream ends with an
+        OpenAI-shaped error event; a client that goes away stops the generation."""
         start = time.perf_counter()
         timeout = self.limits.request_timeout_s
         try:
+            if generation.feed is not None:
+                task = asyncio.get_running_loop().create_task(
+                    self._stream_together((version, generation.bundle, generation)))
+                self._streaming.add(task)
+                task.add_done_callback(self._streaming.discard)
             while True:
                 if time.perf_counter() - start > timeout:
                     _, body = openai_error(f"generation took longer than {timeout:g} s (serve.request_timeout_s); "
