@@ -13,7 +13,7 @@ PYTEST_ARGS    ?=
 # modules): on 2 cores it takes about 0.7 of one lane's time. TEST_LANES=0: one process, file order.
 TEST_LANES     ?= 2
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune cluster-local clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat cluster-local clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -60,6 +60,9 @@ benchmark-runtimes: $(VENV)/.installed ## serving by serve.runtime: torch, ONNX 
 
 benchmark-finetune: $(VENV)/.installed ## LoRA fine-tuning tokens/s against a bare transformers + peft loop
 	$(PY) benchmarks/finetune_throughput.py
+
+benchmark-chat: $(VENV)/.installed ## chat streams decoded together against a thread per stream
+	$(PY) benchmarks/chat_batching.py
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py
