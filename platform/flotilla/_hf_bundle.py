@@ -91,6 +91,13 @@ class HFBundle:
         return "torch"
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt or a `logit_bias` may name: the tokenizer's that the model has logits for."""
+        out = self.model.get_output_embeddings()
+        logits = out.out_features if out is not None else self.model.config.vocab_size
+        return min(len(self.tokenizer), logits)
+
+    @property
     def max_positions(self) -> int | None:
         """The longest sequence (prompt and generated text) the model was built for, when its config says."""
         return getattr(self.model.config, "max_position_embeddings", None)
@@ -291,7 +298,8 @@ def _bias(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tens
     """`logit_bias` as the token ids and the biases `_sample` adds to their logits."""
     if not logit_bias:
         return None
-    return torch.tensor(list(logit_bias), dtype=torch.long), torch.tensor(list(logit_bias.values()))
+    return (torch.tensor(list(logit_bias), dtype=torch.long),
+            torch.tensor(list(logit_bias.values()), dtype=torch.float32))
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, generator,

@@ -154,7 +154,7 @@ def test_logit_bias_bans_or_forces_tokens(trained):
     first = greedy[0]
     banned = list(loaded.generate_ids(prompt, max_tokens=40, temperature=0.0, logit_bias={first: -100.0}))
     assert banned[0] != first
-    forced = list(loaded.generate_ids(prompt, max_tokens=6, temperature=1.0, seed=1, logit_bias={300: 100.0}))
+    forced = list(loaded.generate_ids(prompt, max_tokens=6, temperature=1.0, seed=1, logit_bias={300: 100}))
     assert forced == [300] * 6
     endless = list(loaded.generate_ids(prompt, max_tokens=200, temperature=1.0, seed=2, logit_bias={eos: -100.0}))
     assert len(endless) == 200 and eos not in endless
@@ -233,8 +233,18 @@ def test_streams_decoded_together_get_each_token_as_it_is_decoded(trained):
     with pytest.raises(IndexError):
         stream_together(loaded, broken)
     for g in broken:
-        with pytest.raises(IndexError):
+        with pytest.raises(RuntimeError, match="decoding the batch failed: IndexError"):
             list(g.pieces())
+    # A stream alone decodes as `generate_ids` does (what whole-text requests alone get); a feed
+    # that stays empty past the deadline ends the stream instead of waiting for ever.
+    (single,) = generations()[2:]
+    single.max_tokens = 30
+    stream_together(loaded, [single])
+    assert "".join(single.pieces()) == "".join(_Generation(loaded, single.ids, 30, None, **single.settings).pieces())
+    (waiting,) = generations()[:1]
+    waiting.token_wait_s = 0.2
+    with pytest.raises(TimeoutError, match="no token within 0.2 s"):
+        list(waiting.pieces())
 
 
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):

@@ -64,6 +64,7 @@ class _Generation:
         self.done = False  # the text is complete (not cut short by a timeout or a client gone)
         self.decoded: list[int] | None = None  # its tokens, when decoded together with others (Chat._forward)
         self.feed: queue.SimpleQueue | None = None  # its tokens as a batch of streams decodes them, then None
+        self.token_wait_s: float | None = None  # how long to wait for the feed's next token
 
     def _tokens(self) -> Iterator[int]:
         if self.decoded is not None:
@@ -81,7 +82,13 @@ class _Generation:
             self.finish = "length"
 
     def _fed(self) -> Iterator[int]:
-        while (item := self.feed.get()) is not None:
+        while True:
+            try:
+                item = self.feed.get(timeout=self.token_wait_s)
+            except queue.Empty:
+                raise TimeoutError(f"no token within {self.token_wait_s:g} s") from None
+            if item is None:
+                return
             if isinstance(item, BaseException):  # the batch's decoding failed
                 raise item
             yield item
@@ -159,24 +166,32 @@ def stream_together(bundle, generations: list[_Generation]) -> None:
     """Streams of one bundle decoded together: each token goes into its generation's `feed` as soon
     as it is decoded, a None when its row has ended (at its stop string too), the error in every
     feed still open if the decoding fails."""
-    seen = [g.stop_seen() for g in generations]
     open_rows = set(range(len(generations)))
-
-    def on_token(row: int, token: int) -> bool:
-        generations[row].feed.put(token)
-        return seen[row](token)
 
     def on_end(row: int) -> None:
         open_rows.discard(row)
         generations[row].feed.put(None)
 
     try:
-        bundle.generate_ids_batch([g.ids for g in generations],
-                                  [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
-                                  [g.cancel for g in generations], on_token, on_end)
+        seen = [g.stop_seen() for g in generations]
+
+        def on_token(row: int, token: int) -> bool:
+            generations[row].feed.put(token)
+            return seen[row](token)
+
+        if len(generations) == 1:  # alone: the tokens `generate_ids` gives, as whole-text requests alone get
+            g = generations[0]
+            for token in bundle.generate_ids(g.ids, g.max_tokens, **g.settings):
+                if g.cancel.is_set() or on_token(0, token):
+                    break
+            on_end(0)
+        else:
+            bundle.generate_ids_batch([g.ids for g in generations],
+                                      [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
+                                      [g.cancel for g in generations], on_token, on_end)
     except BaseException as e:
-        for row in open_rows:
-            generations[row].feed.put(e)
+        for row in sorted(open_rows):  # each stream its own error (one exception raised in many threads tangles)
+            generations[row].feed.put(RuntimeError(f"decoding the batch failed: {type(e).__name__}: {e}"))
         raise
 
 
@@ -271,7 +286,7 @@ class Chat(_ModelServer):
             return bundle.tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            vocab = len(bundle.tokenizer)
+            vocab = bundle.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise ApiError(422, f"invalid request: prompt: token ids must be in [0, {vocab})")
             return list(prompt)
@@ -279,7 +294,7 @@ class Chat(_ModelServer):
         return bundle.encode(text) or [bundle.tokenizer.eos_token_id]
 
     def _biases(self, bundle, body) -> dict[int, float] | None:
-        biases, vocab = body.token_biases, len(bundle.tokenizer)
+        biases, vocab = body.token_biases, bundle.vocab_size
         outside = sorted(t for t in biases or () if t >= vocab)
         if outside:
             raise ApiError(422, f"invalid request: logit_bias: token {outside[0]} is not in this model's vocabulary "
@@ -324,7 +339,7 @@ class Chat(_ModelServer):
         (`serve.batching.generate_wait_s`); each group of one version decodes in one forward pass per
         token (`HFBundle.generate_ids_batch`) in a thread of its own, so a request that arrives while
         others generate starts at once. Each request gets the text it gets alone: its own sampling
-        and seed, its decoding ended by its own stop strings. Streams run alone, a thread each."""
+        and seed, its decoding ended by its own stop strings. Streams batch apart (`_stream_together`)."""
         results: list[str] = [""] * len(items)
         for version, idx in _by_version(items).items():
             bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
@@ -351,9 +366,23 @@ class Chat(_ModelServer):
                                           for _, bundle, generations in groups), return_exceptions=True)
         for (version, _, _), outcome in zip(groups, outcomes):
             if isinstance(outcome, BaseException):  # each of its streams ends with an error event
-                logger.error("decoding streams of %s v%s failed: %s: %s", self.model_name, version,
-                             type(outcome).__name__, outcome)
+                logger.error("decoding streams of %s v%s failed", self.model_name, version, exc_info=outcome)
         return [None] * len(items)
+
+    def _start_stream(self, version: str, generation: _Generation) -> None:
+        """Join the batch of streams that arrive together; should it fail before decoding (no None
+        or error in the feed then), the stream gets the error instead of waiting for tokens."""
+        generation.token_wait_s = self.limits.request_timeout_s
+
+        def done(task: asyncio.Task) -> None:
+            self._streaming.discard(task)
+            failed = task.cancelled() or task.exception() is not None
+            if failed:
+                generation.feed.put(RuntimeError("the batch of streams failed before decoding; see the replica log"))
+
+        task = asyncio.get_running_loop().create_task(self._stream_together((version, generation.bundle, generation)))
+        self._streaming.add(task)
+        task.add_done_callback(done)
 
     async def _send(self, events: Iterator[bytes], generation: _Generation, version: str):
         """The stream's events, each produced in a thread as its tokens arrive from the batch it
@@ -361,22 +390,22 @@ class Chat(_ModelServer):
         OpenAI-shaped error event; a client that goes away stops the generation."""
         start = time.perf_counter()
         timeout = self.limits.request_timeout_s
+        _, body = openai_error(f"generation took longer than {timeout:g} s (serve.request_timeout_s); "
+                               "ask for fewer max_tokens", 504)
+        late = f"data: {json.dumps(body)}\n\n".encode()
         try:
             if generation.feed is not None:
-                task = asyncio.get_running_loop().create_task(
-                    self._stream_together((version, generation.bundle, generation)))
-                self._streaming.add(task)
-                task.add_done_callback(self._streaming.discard)
+                self._start_stream(version, generation)
             while True:
                 if time.perf_counter() - start > timeout:
-                    _, body = openai_error(f"generation took longer than {timeout:g} s (serve.request_timeout_s); "
-                                           "ask for fewer max_tokens", 504)
-                    yield f"data: {json.dumps(body)}\n\n".encode()
+                    yield late
                     return
                 event = await asyncio.to_thread(next, events, None)
                 if event is None:
                     return
                 yield event
+        except TimeoutError:  # no token came within the deadline
+            yield late
         except Exception as e:  # the headers are sent: the stream itself says what went wrong
             logger.exception("stream of %s v%s failed", self.model_name, version)
             _, body = openai_error(f"generation failed ({type(e).__name__}); see the replica log", 500)
