@@ -73,3 +73,30 @@ def test_a_missing_rank_or_a_changed_file_is_named(tmp_path):
     (root / MANIFEST_DIR / "rank0.json").unlink()
     assert problems(str(root)) == ["rank 1: ds/shard_1.pt does not match its checksum",
                                    "manifests of rank(s) 0 are missing"]
+
+
+def test_a_killed_workers_staging_directory_is_removed_by_the_next_one_on_its_host(tmp_path):
+    """Checkpoints are written to a local directory before Ray Train copies them to storage; a
+    worker killed meanwhile leaves it behind. The next staging on the host removes those of dead
+    processes of this host, never a live process's or another host's."""
+    import os
+    import subprocess
+    import sys
+
+    from flotilla.train._checkpoint import STAGING_PREFIX, staging_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    with staging_dir(str(tmp_path)) as first:
+        name = Path(first).name
+        assert name.startswith(STAGING_PREFIX) and f"-{os.getpid()}-" in name
+        stem = name[:name.rindex(f"-{os.getpid()}-")]  # flotilla-ckpt-HOST
+        left = [tmp_path / f"{stem}-{dead_pid}-abc", tmp_path / f"{stem}-{os.getpid()}-live",
+                tmp_path / f"{STAGING_PREFIX}otherhost-{dead_pid}-abc"]
+        for d in left:
+            (d / "ds").mkdir(parents=True)
+            (d / "ds" / "shard.pt").write_bytes(b"x" * 1000)
+        with staging_dir(str(tmp_path)) as second:
+            assert Path(second).exists() and Path(first).exists()
+            assert [d.exists() for d in left] == [False, True, True]
+    assert not Path(first).exists()

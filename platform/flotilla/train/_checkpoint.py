@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,35 @@ from flotilla.errors import CheckpointError
 MANIFEST_DIR = "manifest"
 STATE_FILE = "state.json"
 DS_TAG = "ds"
+
+
+STAGING_PREFIX = "flotilla-ckpt-"
+
+
+def staging_dir(root: str | None = None) -> tempfile.TemporaryDirectory:
+    """A directory to write this epoch's checkpoint in before Ray Train copies it to the run's
+    storage, named for this host and process. A worker killed meanwhile leaves its own behind (as
+    large as the model's checkpoint): those of this host's processes that no longer exist are
+    removed first. (Another host's, in a temporary directory that hosts share, are left alone:
+    their processes cannot be seen from here.)"""
+    root = root or tempfile.gettempdir()
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+    mine = re.compile(rf"{re.escape(STAGING_PREFIX + host)}-(\d+)-")
+    for stale in Path(root).glob(f"{STAGING_PREFIX}{host}-*"):
+        match = mine.match(stale.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{host}-{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def save(engine, directory: str, rank: int, world_size: int, state: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -278,7 +277,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         live.end_epoch(epoch + 1, samples / train_time if train_time > 0 else 0.0, metrics["val_loss"])
         checkpoint_started = time.perf_counter()
 
-        with tempfile.TemporaryDirectory(prefix="flotilla-ckpt-") as directory:
+        with _checkpoint.staging_dir() as directory:
             if final:
                 _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
                               metrics, history, val["probe"], worker_nodes)
