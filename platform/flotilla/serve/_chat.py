@@ -122,12 +122,12 @@ class _Generation:
         the text as it does alone)."""
         from flotilla._hf_bundle import TextDecoder
 
-        decoder, longest, text = TextDecoder(self.bundle.tokenizer), max(map(len, self.stops), default=0), ""
+        if not self.stops:
+            return lambda token: False
+        decoder, longest, text = TextDecoder(self.bundle.tokenizer), max(map(len, self.stops)), ""
 
         def seen(token: int) -> bool:
             nonlocal text
-            if not self.stops:
-                return False
             piece = decoder.add(token)
             text = text[-longest:] + piece  # a stop string ends in the new piece, or it was seen before
             return bool(piece) and any(stop in text for stop in self.stops)
@@ -149,14 +149,20 @@ def _fields(field: str, message: str):
     return [ErrorField(field=field, message=message)]
 
 
+def _decode_batch(bundle, generations: list[_Generation], on_token, on_end=None) -> list[list[int]]:
+    """`HFBundle.generate_ids_batch` for these generations: their prompts and settings, each row
+    ended by its `cancel` too."""
+    return bundle.generate_ids_batch([g.ids for g in generations],
+                                     [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
+                                     [g.cancel for g in generations], on_token, on_end)
+
+
 def decode_together(bundle, generations: list[_Generation]) -> list[str]:
     """The texts of several generations of one bundle, decoded together
     (`HFBundle.generate_ids_batch`): each the text it gets alone; a row ends once its stop string
     has appeared, or when its `cancel` is set."""
     seen = [g.stop_seen() for g in generations]
-    decoded = bundle.generate_ids_batch([g.ids for g in generations],
-                                        [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
-                                        [g.cancel for g in generations], lambda row, token: seen[row](token))
+    decoded = _decode_batch(bundle, generations, lambda row, token: seen[row](token))
     for g, tokens in zip(generations, decoded):
         g.decoded = tokens
     return ["".join(g.pieces()) for g in generations]
@@ -186,9 +192,7 @@ def stream_together(bundle, generations: list[_Generation]) -> None:
                     break
             on_end(0)
         else:
-            bundle.generate_ids_batch([g.ids for g in generations],
-                                      [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
-                                      [g.cancel for g in generations], on_token, on_end)
+            _decode_batch(bundle, generations, on_token, on_end)
     except BaseException as e:
         for row in sorted(open_rows):  # each stream its own error (one exception raised in many threads tangles)
             generations[row].feed.put(RuntimeError(f"decoding the batch failed: {type(e).__name__}: {e}"))
