@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from flotilla.errors import BundleError, TrackingError
-from flotilla.track._store import lost_insert_race
+from flotilla.track._store import lost_insert_race, retry_lost_insert
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 HISTORY_TAG = "flotilla.champion_history"
@@ -82,7 +82,8 @@ def set_alias(client: MlflowClient, name: str, alias: str, version: str) -> Alia
     """Point `alias` at `version`; promotions to champion are remembered for rollback."""
     _check_version(client, name, version)
     before = alias_version(client, name, alias)
-    client.set_registered_model_alias(name, alias, str(version))
+    # Two pipelines setting an alias of one model at once: the first write of it can fail on the other's insert.
+    retry_lost_insert(lambda: client.set_registered_model_alias(name, alias, str(version)))
     if alias == CHAMPION and before != str(version):
         _record_promotion(client, name, before, str(version))
     return AliasChange(name, alias, before, str(version))

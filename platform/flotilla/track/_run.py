@@ -50,7 +50,7 @@ from flotilla.track._registry import (
     load_registered_bundle,
     set_alias,
 )
-from flotilla.track._store import check_tracking_uri, lost_insert_race, resolve_tracking_uri
+from flotilla.track._store import check_tracking_uri, resolve_tracking_uri, retry_lost_insert
 
 PACKAGE_DIR = Path(flotilla.__file__).resolve().parent
 PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
@@ -325,17 +325,10 @@ class Tracker:
             digest=prepared.fingerprint[:16],  # MLflow keeps 36 characters; the full hash is a run tag
         )
         tags = [InputTag("mlflow.data.context", "training"), InputTag("flotilla.data_fingerprint", prepared.fingerprint)]
-        for attempt in range(4):
-            try:
-                self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
-                return
-            except MlflowException as e:
-                # Two runs of the same data starting together race in MLflow's store: both see no
-                # dataset row, both insert it, one fails on the unique key. Once the other's insert
-                # has committed, a retry finds the row and only links this run to it.
-                if attempt == 3 or not lost_insert_race(e):
-                    raise
-                time.sleep(0.5 * (attempt + 1))
+        # Two runs of the same data starting together race in MLflow's store: both see no dataset
+        # row, both insert it, one fails on the unique key; its retry only links this run to it.
+        retry_lost_insert(lambda: self.client.log_inputs(
+            self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)]))
 
     def _log_model(self, bundle_dir: Path, prepared) -> str:
         from mlflow.models import infer_signature

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 from urllib.parse import urlparse
 
 from flotilla.errors import TrackingError, summarize
@@ -95,3 +97,22 @@ def lost_insert_race(error: Exception) -> bool:
     """Whether an MLflow call failed because a concurrent writer inserted the same row first
     (PostgreSQL's or SQLite's unique key): a retry then finds the row and updates it."""
     return any(k in str(error) for k in ("UniqueViolation", "duplicate key", "UNIQUE constraint"))
+
+
+T = TypeVar("T")
+
+
+def retry_lost_insert(call: Callable[[], T]) -> T:
+    """`call()`, retried (3 times at most, a little later each time) while it fails because a
+    concurrent writer inserted the same row first: once that insert has committed, a retry finds
+    the row and updates or links it."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(4):
+        try:
+            return call()
+        except MlflowException as e:
+            if attempt == 3 or not lost_insert_race(e):
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
