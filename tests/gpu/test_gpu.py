@@ -52,12 +52,15 @@ def test_zero3_bf16_nccl_on_gpu(gpu_ray, tmp_path):
 
 
 def test_gpt_zero3_on_gpu_reports_mfu(gpu_ray, tmp_path):
-    spec = digits_spec(
-        tmp_path, "name=gpt-gpu", "data.source=pycode", "data.max_bytes=400000", "model.kind=gpt",
-        "model.layers=4", "model.width=256", "model.heads=4", "model.context=256",
-        "model.activation_checkpointing=true", f"train.num_workers={_workers()}", "train.gpus_per_worker=1",
-        "train.zero_stage=3", "train.epochs=2", "train.batch_size=16",
-    )
+    from flotilla.spec import load_spec
+
+    from ..integration._helpers import ROOT, store_uri
+
+    spec = load_spec(ROOT / "configs" / "pycode_gpt.yaml", [
+        "name=gpt-gpu", f"train.storage_path={tmp_path}", f"track.uri={store_uri(tmp_path)}", "model.width=256",
+        f"train.num_workers={_workers()}", "train.gpus_per_worker=1", "train.zero_stage=3", "train.epochs=2",
+        "train.batch_size=16", "train.grad_accum=1",
+    ])
     outcome = run_training(spec)
     first, last = outcome.history
     assert last["val_loss"] < first["val_loss"]
