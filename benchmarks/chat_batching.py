@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 import torch  # noqa: E402
 
-from flotilla._hf_bundle import HFBundle  # noqa: E402
+from flotilla.bundle import HFBundle  # noqa: E402
 from flotilla.models._hf_tiny import build_tiny_llama  # noqa: E402
 from flotilla.serve._chat import _Generation, stream_together  # noqa: E402
 

@@ -1,5 +1,5 @@
 """ONNX variants of a bundle: export, int8 quantization, a parity gate, a speed measurement, and
-the ONNX Runtime model that runs in a bundle in place of the torch one.
+publishing them to a registered version (the runtime that serves them is `flotilla.bundle`'s).
 
     records = build_variants(bundle, val_batches, spec.export)    # writes <bundle>/variants/
     fast = bundle.with_runtime("onnx-int8")                       # the same API, ONNX Runtime inside
@@ -29,99 +29,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from flotilla.bundle import (ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, find_bundle,
+                             load_bundle)
 from flotilla.errors import BundleError
 from flotilla.metrics import primary_metric
-
-VARIANTS_DIR, VARIANTS_JSON, ONNX_FILE = "variants", "variants.json", "model.onnx"
-RUNTIMES = ("torch", "onnx", "onnx-int8")
-
-
-def read_variants(bundle_dir: str | Path) -> dict[str, dict[str, Any]]:
-    """The variants recorded in a bundle directory ({} when none were built)."""
-    path = Path(bundle_dir) / VARIANTS_DIR / VARIANTS_JSON
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def choose_runtime(records: dict[str, dict[str, Any]], wanted: str, what: str) -> str:
-    """The runtime to serve: `wanted` if it is torch or a variant that passed its gate; for `auto`,
-    the fastest of torch and the variants that passed (torch when nothing was measured)."""
-    if wanted == "torch":
-        return "torch"
-    if wanted != "auto":
-        record = records.get(wanted)
-        if record is None:
-            raise BundleError(f"{what} has no {wanted} variant; build it with `flotilla export --model ...`, "
-                              f"or serve it with `--set serve.runtime=torch`")
-        if not record.get("passed"):
-            raise BundleError(f"{what}: its {wanted} variant failed its parity gate ({record.get('reason')}); "
-                              f"it is never served: `--set serve.runtime=torch` or another variant")
-        return wanted
-    usable = {name: r for name, r in records.items() if name == "torch" or r.get("passed")}
-    speeds = {name: r.get("speed", {}).get("per_s") for name, r in usable.items()}
-    speeds = {name: v for name, v in speeds.items() if v}
-    return max(speeds, key=speeds.get) if len(speeds) > 1 else "torch"
-
-
-class OnnxCache:
-    """The KV cache of an ONNX `gpt` graph: its tensors go in and come back grown."""
-
-    def __init__(self, keys: np.ndarray, values: np.ndarray):
-        self.keys, self.values = keys, values
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[3]
-
-
-class OnnxModel:
-    """An ONNX Runtime session in a bundle's place of the torch model: called with the model's input
-    tensor, it returns the output tensor; a `gpt` graph also runs `step` with its cache, as
-    `GPT.step` does. It uses as many threads as torch does in this process."""
-
-    def __init__(self, path: str | Path, threads: int | None = None):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or torch.get_num_threads()
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        # Idle threads sleep instead of spinning: a spinning pool takes the cores from the torch
-        # work around each call (preprocessing, softmax) and from the other replicas.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.names = [i.name for i in self.session.get_inputs()]
-        self.language = self.names[0] == "tokens"
-        if self.language:
-            shape = self.session.get_inputs()[1].shape  # [layers, batch, heads, past, head width]
-            self._cache_shape = (shape[0], shape[2], shape[4])
-
-    def eval(self) -> "OnnxModel":
-        return self
-
-    def parameters(self):
-        return iter(())
-
-    def to(self, device) -> "OnnxModel":
-        if torch.device(device).type != "cpu":
-            raise BundleError("ONNX variants run on the CPU (onnxruntime's CPU provider); serve a GPU replica with "
-                              "`--set serve.runtime=torch`")
-        return self
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.language:
-            return self.step(x, self.new_cache(x.shape[0]))
-        return torch.from_numpy(self.session.run(None, {self.names[0]: x.numpy().astype(np.float32, copy=False)})[0])
-
-    def new_cache(self, batch: int = 1) -> OnnxCache:
-        layers, heads, width = self._cache_shape
-        empty = np.zeros((layers, batch, heads, 0, width), np.float32)
-        return OnnxCache(empty, empty.copy())
-
-    def step(self, tokens: torch.Tensor, cache: OnnxCache) -> torch.Tensor:
-        logits, cache.keys, cache.values = self.session.run(None, {
-            "tokens": tokens.numpy().astype(np.int64, copy=False), "past_keys": cache.keys, "past_values": cache.values})
-        return torch.from_numpy(logits)
-
 
 class _GPTGraph(torch.nn.Module):
     """`GPT.step_with` as a graph whose cache is tensors in and out."""
@@ -336,7 +247,6 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
     variant (passed or failed, and why). The validation rows come from the spec the version was
     trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`); the end of a
     training run passes its own `spec` and `prepared` data."""
-    from flotilla.bundle import load_bundle
     from flotilla.data import prepare_data
     from flotilla.runtime import ensure_ray
     from flotilla.spec import load_spec
@@ -344,7 +254,7 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
     with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp:
         registered = _registered(reference, tracking_uri, Path(tmp))
         if registered is None:
-            bundle_dir = _bundle_directory(reference)
+            bundle_dir = find_bundle(reference)
             spec_file = config or (None if spec is not None else _run_spec_file(bundle_dir))
         else:
             client, name, version, bundle_dir, relative, spec_file = registered
@@ -396,18 +306,6 @@ def _model_id(version) -> str | None:
     """The logged model a version was registered from (MLflow 3 names it in the source)."""
     source = version.source or ""
     return version.model_id or (source.removeprefix("models:/") if source.startswith("models:/m-") else None)
-
-
-def _bundle_directory(reference: str) -> Path:
-    from flotilla.bundle import BUNDLE_FILES
-
-    path = Path(reference).expanduser().resolve()
-    bundle = path / "bundle" if (path / "bundle" / BUNDLE_FILES[1]).is_file() else path
-    missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
-    if missing:
-        raise BundleError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); give "
-                          "a run's bundle directory, NAME@ALIAS or NAME/VERSION")
-    return bundle
 
 
 def _run_spec_file(bundle_dir: Path) -> str:

@@ -68,7 +68,7 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
 
-    from flotilla._hf_bundle import ADAPTER_DIR, load_hf_bundle
+    from flotilla.bundle import ADAPTER_DIR, load_hf_bundle
 
     bundle_dir = storage / "lora" / "bundle"
     files = {str(p.relative_to(bundle_dir)) for p in bundle_dir.rglob("*") if p.is_file()}
@@ -113,7 +113,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
     from openai import OpenAI, UnprocessableEntityError, NotFoundError
     from ray import serve
 
-    from flotilla._hf_bundle import load_hf_bundle
+    from flotilla.bundle import load_hf_bundle
     from flotilla.serve import deploy, plan_deployment
 
     spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",

@@ -24,7 +24,7 @@ def test_full_and_partly_frozen_fine_tuning_train_on_two_workers(ray_cluster, ti
     exactly as pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from flotilla._hf_bundle import ADAPTER_DIR, load_hf_bundle
+    from flotilla.bundle import ADAPTER_DIR, load_hf_bundle
     from flotilla.bundle import load_bundle
 
     frozen = ["model.embed_tokens", "model.layers.0."] if adaptation == "freeze" else []

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flotilla.errors import BundleError
-from flotilla.export import OnnxModel, export_onnx, quantize_int8, read_variants
+from flotilla.bundle import OnnxModel, read_variants
+from flotilla.export import export_onnx, quantize_int8
 from flotilla.models import GPT, MLP
 
 

@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from flotilla._hf_bundle import ADAPTER_DIR, load_hf_bundle, write_hf_bundle
+from flotilla.bundle import ADAPTER_DIR, load_hf_bundle, write_hf_bundle
 from flotilla.errors import BundleError
 from flotilla.models._hf import build_hf_causal_lm
 
@@ -120,7 +120,7 @@ def test_text_pieces_are_the_whole_decoded_text_each_from_a_few_tokens(tiny_llam
 
     from transformers import AutoTokenizer
 
-    from flotilla._hf_bundle import HFBundle
+    from flotilla.bundle import HFBundle
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     longest = []

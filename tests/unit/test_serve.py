@@ -151,7 +151,7 @@ def test_serve_app_builders_say_what_they_need():
 
 def test_serve_runtime_takes_a_variant_only_when_it_passed_and_auto_the_fastest_that_did():
     from flotilla.errors import BundleError
-    from flotilla.export import choose_runtime
+    from flotilla.bundle import choose_runtime
 
     records = {"torch": {"speed": {"per_s": 100.0}},
                "onnx": {"passed": True, "reason": "ok", "speed": {"per_s": 150.0}},

@@ -120,7 +120,7 @@ class _Generation:
         """A check to feed this generation's tokens one by one while they are decoded together with
         others: true once its text holds a stop string (the row can end there; `pieces` then cuts
         the text as it does alone)."""
-        from flotilla._hf_bundle import TextDecoder
+        from flotilla.bundle import TextDecoder
 
         if not self.stops:
             return lambda token: False

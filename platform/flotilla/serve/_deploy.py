@@ -134,7 +134,7 @@ def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:
     """Before anything is deployed: each version holds the variant `serve.runtime` names, and it
     passed its gate (the replica checks again when it loads the files)."""
     from flotilla.errors import BundleError
-    from flotilla.export import choose_runtime
+    from flotilla.bundle import choose_runtime
 
     if runtime in ("torch", "auto"):
         return

@@ -33,7 +33,7 @@ from mlflow.exceptions import MlflowException
 
 import flotilla
 from flotilla._epochs import read_new
-from flotilla._hf_bundle import weights_file
+from flotilla.bundle import weights_file
 from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml

@@ -45,7 +45,7 @@ from deepspeed.utils import logger as ds_logger
 from deepspeed.utils import safe_get_full_fp32_param
 from ray.train.v2._internal.execution import context as _train_context
 
-from flotilla._hf_bundle import write_hf_bundle
+from flotilla.bundle import write_hf_bundle
 from flotilla.bundle import write_bundle
 from flotilla.errors import CheckpointError
 from flotilla.metrics import TASKS, primary_metric
@@ -501,7 +501,7 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
         "worker_nodes": worker_nodes,
         "bundle_check_max_abs_diff": check,
     }
-    if hf:  # the merged weights as the pretrained model's own format (flotilla._hf_bundle)
+    if hf:  # the merged weights as the pretrained model's own format (flotilla.bundle)
         if reference is None:
             fresh = build_hf_causal_lm(model_spec, schema)
             fresh.load_state_dict(state, strict=True)

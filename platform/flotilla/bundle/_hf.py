@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from flotilla.bundle._sampling import logit_bias_tensors, sample_next
 from flotilla.data import DataSchema
 from flotilla.errors import BundleError
 
@@ -139,10 +140,10 @@ class HFBundle:
         (token id -> bias) is added to the logits first, as OpenAI's parameter of that name is
         (-100 bans a token)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        stops, device, bias = self.stop_ids(), self.device, _bias(logit_bias)
+        stops, device, bias = self.stop_ids(), self.device, logit_bias_tensors(logit_bias)
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
         for _ in range(max_tokens):
-            token = _sample(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
+            token = sample_next(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
             if token in stops:
                 return
             yield token
@@ -167,7 +168,7 @@ class HFBundle:
         tokens = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=device)
         generators = [torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None
                       for s in settings]
-        biases = [_bias(s.get("logit_bias")) for s in settings]
+        biases = [logit_bias_tensors(s.get("logit_bias")) for s in settings]
         out_ids: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
 
@@ -184,7 +185,7 @@ class HFBundle:
                 if done[i] or step >= int(s["max_tokens"]) or (ended is not None and ended[i].is_set()):
                     end(i)
                     continue
-                token = _sample(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
+                token = sample_next(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
                                 generators[i], biases[i])
                 if token in stops:
                     end(i)
@@ -292,34 +293,6 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
     schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
                     metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
-
-
-def _bias(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`logit_bias` as the token ids and the biases `_sample` adds to their logits."""
-    if not logit_bias:
-        return None
-    return (torch.tensor(list(logit_bias), dtype=torch.long),
-            torch.tensor(list(logit_bias.values()), dtype=torch.float32))
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, generator,
-            bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
-    """One token from one position's logits, as `generate_ids` and `generate_ids_batch` both sample."""
-    from flotilla.bundle import sample_token
-
-    if bias is not None:
-        logits = logits.index_add(0, *bias)
-    if top_p < 1.0 and temperature > 0:
-        logits = _nucleus(logits / temperature, top_p) * temperature
-    return sample_token(logits, temperature, top_k, generator)
-
-
-def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`logits` with every token outside the nucleus (the most likely tokens whose probabilities
-    first add up to `top_p`; at least one) set to -inf."""
-    probs, order = torch.softmax(logits, -1).sort(descending=True)
-    outside = probs.cumsum(-1) - probs >= top_p  # tokens whose predecessors already reach top_p
-    return logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
 
 
 def is_hf_bundle(path: str | Path) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +29,8 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
-from flotilla._hf_bundle import is_hf_bundle, load_hf_bundle
+from flotilla.bundle._onnx import ONNX_FILE, VARIANTS_DIR, OnnxModel, choose_runtime, read_variants
+from flotilla.bundle._sampling import sample_token
 from flotilla.data import FEATURES, ByteWindows, DataSchema, apply_all, array_transform, from_json
 from flotilla.data._columns import numeric_matrix
 from flotilla.errors import BundleError
@@ -112,16 +112,12 @@ class InferenceBundle:
     @property
     def variants(self) -> dict[str, dict[str, Any]]:
         """The ONNX variants `flotilla export` built in this bundle and what their gates found."""
-        from flotilla.export import read_variants
-
         return read_variants(self.path) if self.path is not None else {}
 
     def with_runtime(self, runtime: str, check: bool = True) -> "InferenceBundle":
         """This bundle with its model run by `runtime`: `torch` (itself), `onnx` or `onnx-int8` (its
         variant, through ONNX Runtime), or `auto` (the fastest that passed its gate). A variant that
         is missing or failed its gate is refused unless `check` is off (the gate itself runs it)."""
-        from flotilla.export import VARIANTS_DIR, ONNX_FILE, OnnxModel, choose_runtime
-
         name = choose_runtime(self.variants, runtime, str(self.path)) if check else runtime
         if name == self.runtime:
             return self
@@ -308,17 +304,6 @@ class InferenceBundle:
         return result
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
-    """The next token from one row of logits: greedy at temperature 0, else sampled (top-k first)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-
-
 def _pieces(tokens: Iterable[int]) -> Iterator[str]:
     """Byte tokens as text pieces, each ending on a UTF-8 boundary (U+FFFD for bytes that never form one)."""
     pending = b""
@@ -343,14 +328,12 @@ def read_bundle_metrics(fs, path: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
-def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> InferenceBundle:
+def load_torch_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> InferenceBundle:
     """The bundle in directory `path`. Its `model.json` is validated with the spec's own model
     sections; a `custom` model imports and runs its factory, so `factories` lists the ones this
     caller allows (`package.module:function`): None allows any (a bundle your own run wrote), a
     registered version is loaded with an explicit list (`serve.allow_factories`, default none)."""
     root = Path(path)
-    if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON as well)
-        return load_hf_bundle(root)
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
     if missing:
         raise BundleError(f"{root} is not a complete inference bundle: missing {', '.join(missing)}")

@@ -1,0 +1,45 @@
+"""One entry for every bundle on disk: which format a directory holds, and loading it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Collection
+
+from flotilla.bundle._hf import is_hf_bundle, load_hf_bundle
+from flotilla.bundle._protocol import Bundle
+from flotilla.bundle._torch import BUNDLE_FILES, MODEL_JSON, load_torch_bundle
+from flotilla.errors import BundleError
+
+
+def bundle_kind(path: str | Path) -> str | None:
+    """`hf` (a fine-tuned pretrained language model), `torch` (Flotilla's own model) or None when
+    `path` is no bundle directory: the one check of "is this a bundle"."""
+    root = Path(path)
+    if is_hf_bundle(root):
+        return "hf"
+    try:
+        meta = json.loads((root / MODEL_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return "torch" if isinstance(meta, dict) and "model" in meta else None
+
+
+def find_bundle(path: str | Path, what: str = "--model") -> Path:
+    """The bundle directory at `path`, or in its `bundle/` (a run directory); a clear error otherwise."""
+    root = Path(path).expanduser().resolve()
+    for candidate in (root / "bundle", root):
+        if bundle_kind(candidate) is not None:
+            return candidate
+    missing = [f for f in BUNDLE_FILES if not (root / f).is_file()]
+    raise BundleError(f"{what} {str(path)!r} is a directory but not a bundle (missing {', '.join(missing)}); give "
+                      "a run's bundle directory, NAME@ALIAS or NAME/VERSION")
+
+
+def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> Bundle:
+    """The bundle in directory `path`, loaded by its format's loader. `factories` lists the `custom`
+    model factories this caller allows to run (None: any, for a bundle your own run wrote)."""
+    root = Path(path)
+    if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON as well)
+        return load_hf_bundle(root)
+    return load_torch_bundle(root, factories=factories)
