@@ -100,7 +100,7 @@ def main() -> None:
         tmp = Path(tmp)
         ensure_ray(num_cpus=args.actors + 1, include_dashboard=False)
         from flotilla.predict import predict_table
-        from flotilla.train import run_training
+        from flotilla.pipeline import run_training
 
         outcome = run_training(tables_spec(tmp, overrides=["track.enabled=false", "train.epochs=2"]))
         per_file = args.rows_per_file

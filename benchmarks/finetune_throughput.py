@@ -106,7 +106,7 @@ def main() -> None:
         results = {"b": bare_loop(spec, windows, dtype, args.warmup, args.steps)}
         print(f"(b) bare transformers + peft, 1 process x 2 threads: {results['b']:.0f} tokens/s", flush=True)
 
-        from flotilla.train import run_training
+        from flotilla.pipeline import run_training
 
         started = time.perf_counter()
         outcome = run_training(spec)

@@ -47,7 +47,7 @@ def main() -> None:
 
     from flotilla.export import export_model
     from flotilla.serve import RUNTIME_HEADER, deploy, load_version, plan_deployment, running_ingress
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from tests.services import free_port
 
     results = {}

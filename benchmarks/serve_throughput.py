@@ -153,7 +153,7 @@ def main() -> None:
     import ray
 
     from flotilla.serve import deploy, load_version, plan_deployment
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from tests.services import free_port
 
     with tempfile.TemporaryDirectory(prefix="flotilla-serve-bench-") as tmp:

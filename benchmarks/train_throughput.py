@@ -114,7 +114,7 @@ def main() -> None:
     results["b"] = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])["samples_per_s"]
     print(f"(b) bare DeepSpeed (torchrun, 2 ranks): {results['b']:.1f} samples/s", flush=True)
 
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_a = load_spec(None, SPEC + [f"train.storage_path={tmp}"])

@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 from flotilla.runtime import DATA_CPUS, ensure_ray  # noqa: E402
 from flotilla.spec import load_spec  # noqa: E402
-from flotilla.tune import concurrent_slots, run_sweep  # noqa: E402
+from flotilla.pipeline import run_sweep  # noqa: E402
+from flotilla.tune import concurrent_slots  # noqa: E402
 
 
 def trial_reports(sweep_dir: Path) -> dict[str, list[dict]]:

@@ -193,7 +193,7 @@ def digits_champion(_ray_session, prometheus, tmp_path_factory) -> TrainedModel:
     """The default digits run as `make demo` trains it (ZeRO-2, 2 workers, gate val_accuracy >= 0.95),
     with a CPU price: registered as digits v1, candidate and champion. Trained once per session,
     with `prometheus` scraping it."""
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from tests.integration._helpers import digits_spec
 
     _local_ray()
@@ -213,7 +213,7 @@ def gpt_champion(digits_champion) -> TrainedModel:
     """The small GPT trained once per session into the store of `digits_champion` (experiment and
     model `pycode-gpt`, v1 champion), so that one copy of that store serves both models."""
     from flotilla.spec import load_spec
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from tests.integration._helpers import ROOT, store_uri
 
     store = digits_champion.store
@@ -227,7 +227,7 @@ def tables_champion(digits_champion) -> TrainedModel:
     """A table as people have them (`tests.integration._helpers.messy_table`: a string category with
     gaps, a boolean, numbers with gaps), trained once per session into the store of
     `digits_champion` as model `tables` v1 (champion)."""
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from tests.integration._helpers import tables_spec
 
     store = digits_champion.store

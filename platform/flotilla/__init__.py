@@ -1,7 +1,7 @@
 """Flotilla: an ML platform on one Ray cluster.
 
     from flotilla import load_spec
-    from flotilla.train import run_training
+    from flotilla.pipeline import run_training
     from flotilla.bundle import load_bundle
 
     outcome = run_training(load_spec("configs/digits.yaml"))

@@ -262,7 +262,8 @@ def _load(args, extra: list[str] = ()):
 def _train(args) -> int:
     spec = _load(args)  # validated before Ray (or torch) is imported
     from flotilla.metrics import primary_metric
-    from flotilla.train import latest_run, new_run_name, run_training
+    from flotilla.pipeline import run_training
+    from flotilla.train import latest_run, new_run_name
 
     if args.resume:
         name = latest_run(spec) if args.resume == "latest" else args.resume
@@ -286,7 +287,7 @@ def _train(args) -> int:
 
 def _sweep(args) -> int:
     spec = _load(args)
-    from flotilla.tune import run_sweep
+    from flotilla.pipeline import run_sweep
 
     if spec.tune is None:
         raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune)"],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flotilla.bundle import load_bundle
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 
 from ..integration._helpers import digits_spec
 

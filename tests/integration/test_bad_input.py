@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 from flotilla.errors import ClusterError, DataError
 
 from ._helpers import ROOT, digits_spec

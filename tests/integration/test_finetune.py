@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 from tests.services import free_port
 
 from ._helpers import (assert_leaving_clients_stop_generating, instruct_spec, metric_steps, metric_sum, metrics_text,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 
 from ._helpers import instruct_spec
 

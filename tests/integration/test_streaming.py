@@ -44,7 +44,7 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
         sys.path.insert(0, {str(ROOT / 'platform')!r})
         from flotilla import load_spec
         from flotilla.bundle import load_bundle
-        from flotilla.train import run_training
+        from flotilla.pipeline import run_training
         from flotilla.runtime import ensure_ray
         ensure_ray(num_cpus=3, object_store_memory={OBJECT_STORE_BYTES}, include_dashboard=False, address="local")
         spec = load_spec({str(ROOT / 'configs' / 'digits.yaml')!r}, [

@@ -11,7 +11,7 @@ import pytest
 
 from flotilla.bundle import load_bundle
 from flotilla.errors import NotFiniteError
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 
 from ._helpers import accuracy, messy_table, mlflow_runs, store_uri, tables_spec
 

@@ -16,7 +16,7 @@ import pytest
 
 from flotilla.bundle import load_bundle
 from flotilla.cli import main
-from flotilla.train import run_training
+from flotilla.pipeline import run_training
 from flotilla.track import CANDIDATE, CHAMPION, alias_version, flatten, set_alias
 
 from ._helpers import ROOT, accuracy, digits_spec, digits_val_rows, mlflow_runs, plant_code

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from flotilla.bundle import load_bundle
-from flotilla.train import checkpoint_problems, run_training
+from flotilla.pipeline import run_training
+from flotilla.train import checkpoint_problems
 
 from ._helpers import (DIGITS, ROOT, accuracy, digits_spec, digits_val_rows, metric_steps, mlflow_runs,
                        own_ray_processes, store_uri, worker_killed_after_first_checkpoint)

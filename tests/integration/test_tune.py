@@ -16,7 +16,7 @@ import pytest
 from flotilla.spec import load_spec
 from flotilla.track import CANDIDATE
 from flotilla.train import checkpoint_problems
-from flotilla.tune import run_sweep
+from flotilla.pipeline import run_sweep
 
 from ._helpers import ROOT, metric_steps, mlflow_runs, own_ray_processes, store_uri
 

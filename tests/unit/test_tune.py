@@ -85,11 +85,11 @@ def test_a_one_worker_trial_reserves_its_worker_and_a_larger_one_leaves_it_to_it
 
 
 def test_trials_share_one_data_preparation_unless_the_space_changes_what_it_reads():
-    from flotilla.tune._sweep import _space_changes_data
+    from flotilla.tune import space_changes_data
 
-    assert not _space_changes_data(_sweep().tune.space)  # lr, hidden, batch size: the same data
-    assert _space_changes_data({"data.source": {"grid": ["a", "b"]}})
-    assert _space_changes_data({"model.context": {"choice": [32, 64]}})  # a GPT's windows
+    assert not space_changes_data(_sweep().tune.space)  # lr, hidden, batch size: the same data
+    assert space_changes_data({"data.source": {"grid": ["a", "b"]}})
+    assert space_changes_data({"model.context": {"choice": [32, 64]}})  # a GPT's windows
 
 
 def test_metric_and_mode_defaults():

@@ -23,7 +23,8 @@ from flotilla.data._preprocess import (
     to_json,
 )
 from flotilla.data._schema import DataSchema
-from flotilla.data._sources import BUILTIN_SOURCES, cache_dir, filesystem_for, resolve_source
+from flotilla._cache import cache_dir
+from flotilla.data._sources import BUILTIN_SOURCES, filesystem_for, resolve_source
 
 __all__ = [
     "BUILTIN_SOURCES",

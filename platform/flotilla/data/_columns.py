@@ -36,7 +36,7 @@ from ray.data.preprocessor import Preprocessor
 from ray.data.preprocessors import (Concatenator, HashingVectorizer, MinMaxScaler, OneHotEncoder, OrdinalEncoder,
                                     SimpleImputer, StandardScaler)
 
-from flotilla.data._preprocess import FEATURES
+from flotilla.data._schema import FEATURES
 from flotilla.errors import DataError
 
 MISSING = "missing"  # the category a missing categorical value becomes (by default)

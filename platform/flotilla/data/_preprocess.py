@@ -20,11 +20,9 @@ from ray.data.preprocessor import Preprocessor
 from ray.data.preprocessors import (Concatenator, HashingVectorizer, LabelEncoder, MinMaxScaler, OneHotEncoder,
                                     OrdinalEncoder, SimpleImputer, StandardScaler)
 
+from flotilla.data._schema import FEATURES, TOKENS, VOCAB_SIZE  # noqa: F401 (named here too)
 from flotilla.errors import BundleError
 
-FEATURES = "features"  # the concatenated feature column that reaches the model
-TOKENS = "tokens"  # int64 windows of context + 1 bytes (inputs and shifted targets)
-VOCAB_SIZE = 256  # byte-level tokens
 
 
 class ByteWindows(Preprocessor):

@@ -11,6 +11,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+FEATURES = "features"  # the concatenated feature column that reaches the model
+TOKENS = "tokens"  # int64 windows of context + 1 bytes (inputs and shifted targets)
+VOCAB_SIZE = 256  # byte-level tokens
+
 
 class DataSchema(BaseModel):
     """The data of one run: its task, and the columns, classes or vocabulary that task needs."""

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from flotilla._cache import cache_dir
 from flotilla.errors import DataError
 
 BUILTIN_SOURCES = ("digits", "pycode", "arith")
@@ -31,11 +32,6 @@ class ResolvedSource:
     paths: list[str]  # filesystem paths, sorted
     filesystem: pafs.FileSystem
     format: str  # "parquet", "csv" or "json" (JSON Lines)
-
-
-def cache_dir() -> Path:
-    """Where built-in samples are written: $FLOTILLA_CACHE or ~/.cache/flotilla."""
-    return Path(os.environ.get("FLOTILLA_CACHE", Path.home() / ".cache" / "flotilla"))
 
 
 def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None) -> ResolvedSource:

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from flotilla._cache import cache_dir
+
 # `model.pretrained` names that Flotilla builds itself, on first use, under its cache directory:
 # a model to try the fine-tuning path with where no pretrained model can be downloaded.
 BUILTIN_MODELS = ("tiny-llama",)
@@ -99,8 +101,6 @@ def resolve_pretrained(name: str) -> str:
     first (the same Python builds the same model); anything else is returned as it is."""
     if name not in BUILTIN_MODELS:
         return name
-    from flotilla.data import cache_dir
-
     final = cache_dir() / "models" / name
     if (final / "config.json").exists():
         return str(final)

@@ -7,6 +7,7 @@ field as `--set` writes it (`model.heads`), the bad value and what is allowed.
 """
 
 from flotilla.spec._load import apply_override, load_spec, spec_to_yaml, traffic_override, validate_spec
+from flotilla.spec._trial import trial_spec
 from flotilla.spec._paths import set_path
 from flotilla.spec._reference import spec_json_schema, spec_reference_markdown
 from flotilla.spec._sections import (
@@ -50,6 +51,7 @@ __all__ = [
     "ModelSpec",
     "ReplicaSpec",
     "RunSpec",
+    "trial_spec",
     "ServeSpec",
     "ShadowSpec",
     "TrackSpec",

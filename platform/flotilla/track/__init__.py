@@ -30,6 +30,7 @@ from flotilla.track._run import (
     open_tracker,
 )
 from flotilla.track._store import check_tracking_uri, registry_client, resolve_tracking_uri
+from flotilla.track._sweep_run import STOP_TAG, SWEEP_TAG, TRIAL_TAG, SweepRun
 
 __all__ = [
     "CANDIDATE",
@@ -39,6 +40,10 @@ __all__ = [
     "EpochMetricsLogger",
     "GateDecision",
     "Registration",
+    "STOP_TAG",
+    "SWEEP_TAG",
+    "SweepRun",
+    "TRIAL_TAG",
     "Tracker",
     "alias_version",
     "champion_history",

@@ -176,14 +176,16 @@ def epoch_metrics(m: dict[str, Any]) -> list[Metric]:
 class Tracker:
     """The MLflow side of one pipeline run."""
 
-    def __init__(self, spec: RunSpec, run_name: str, tags: dict[str, str] | None = None):
+    def __init__(self, spec: RunSpec, run_name: str, tags: dict[str, str] | None = None, run_id: str | None = None):
+        """`run_id`: an MLflow run that exists already (a sweep's trial, whose bundle is registered
+        after the sweep); else `start` finds the run by name or opens one."""
         self.spec, self.run_name, self.extra_tags = spec, run_name, dict(tags or {})
         self.uri, self.artifact_location = resolve_tracking_uri(spec.track.uri)
         check_tracking_uri(self.uri)  # before Ray or data: a bad URI costs seconds, not a run
         self.client = MlflowClient(self.uri)
         self.experiment_name = spec.track.experiment or spec.name
         self.model_name = spec.track.model_name or spec.name
-        self.run_id: str | None = None
+        self.run_id: str | None = run_id
         self.continued = False
         self.logged_steps: set[int] = set()
 

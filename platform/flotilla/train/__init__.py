@@ -1,7 +1,9 @@
 """Training: Ray Train `TorchTrainer` workers running DeepSpeed ZeRO, from a run spec.
 
-    outcome = run_training(spec)       # starts a local Ray if none is running
+    outcome = fit(spec, run_name, prepared)     # Ray running, data prepared: flotilla.pipeline
     outcome.bundle_path, outcome.metrics, outcome.history
+
+A whole run (tracking, Ray, data, fit, registry, gate, export) is `flotilla.pipeline.run_training`.
 """
 
 from flotilla.train._checkpoint import problems as checkpoint_problems
@@ -9,18 +11,20 @@ from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
 from flotilla.train._loop import BUNDLE_DIR, consolidated_fp32_state_dict, format_epoch, train_loop_per_worker
 from flotilla.train._precision import cpu_has_native_bf16, measured_peak_flops, resolve_precision
 from flotilla.train._run import (
+    RunRecorder,
     TrainingOutcome,
     check_cluster_fits,
+    fit,
     find_bundle,
     latest_run,
     local_copy,
     new_run_name,
     run_resources,
-    run_training,
 )
 
 __all__ = [
     "BUNDLE_DIR",
+    "RunRecorder",
     "TrainingOutcome",
     "check_cluster_fits",
     "checkpoint_problems",
@@ -28,6 +32,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "deepspeed_config",
     "find_bundle",
+    "fit",
     "format_epoch",
     "latest_run",
     "local_copy",
@@ -36,6 +41,5 @@ __all__ = [
     "optimizer_steps",
     "resolve_precision",
     "run_resources",
-    "run_training",
     "train_loop_per_worker",
 ]

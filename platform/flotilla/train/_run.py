@@ -1,4 +1,6 @@
-"""The driver side of one training run: check the cluster, prepare the data, fit, bundle, record."""
+"""The driver side of training: check the cluster fits, fit (Ray Train workers, or in a Tune trial's
+process), and bring the bundle to its place in the run. Tracking and export are composed around
+it by `flotilla.pipeline`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow.fs as pafs
 import ray
@@ -23,16 +25,14 @@ from flotilla._epochs import EPOCHS_DIR, EpochRelay
 from flotilla.bundle import read_bundle_metrics
 from flotilla.cluster import (
     ResourceUse,
-    check_storage_reaches_every_node,
-    local_storage,
     prices_for,
     resource_use,
     wait_for_room,
 )
-from flotilla.data import PreparedData, describe_columns, filesystem_for, prepare_data
+from flotilla.data import PreparedData, describe_columns, filesystem_for
 from flotilla.errors import ClusterError, FlotillaError, NotFiniteError, TrainingError, summarize
 from flotilla.models import build_model
-from flotilla.runtime import DATA_CPUS, ensure_ray, started_local_ray
+from flotilla.runtime import DATA_CPUS, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.train._in_trial import InProcess, train_in_trial
 from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
@@ -50,9 +50,9 @@ class TrainingOutcome:
     fingerprint: str = ""
     mlflow_run_id: str | None = None
     tracking_uri: str | None = None
-    registration: Any = None  # flotilla.track.Registration when the bundle was registered
+    registration: Any = None  # flotilla.track.Registration when the bundle was registered (flotilla.pipeline)
     resources: ResourceUse | None = None  # what the workers held while training, and its cost
-    exported: Any = None  # flotilla.export.ExportOutcome with `export.after_training`
+    exported: Any = None  # flotilla.export.ExportOutcome with `export.after_training` (flotilla.pipeline)
 
 
 def check_cluster_fits(spec: RunSpec) -> None:
@@ -82,34 +82,31 @@ def check_cluster_fits(spec: RunSpec) -> None:
         raise ClusterError("the cluster cannot hold this run:\n  - " + "\n  - ".join(problems))
 
 
-def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedData | None = None,
-                 tracking_tags: dict[str, str] | None = None, check_storage: bool = True) -> TrainingOutcome:
-    """Preprocess, train, evaluate, bundle and (with `track.enabled`) record and register one run.
+class RunRecorder(Protocol):
+    """What records a run while it trains (the orchestration layer passes MLflow's: `flotilla.track.Tracker`)."""
 
-    `in_trial=True` when called inside a Ray Tune trial: every epoch is reported to Tune too, and a
-    one-worker run trains in the trial's own process (`flotilla.train._in_trial`) instead of
-    starting a Ray Train worker group; `prepared` is this spec's data, prepared already (a sweep
-    whose trials share their data prepares it once); `tracking_tags` are set on the run's MLflow run (a sweep
-    links trials to its parent run); `check_storage=False` skips the check that every node sees the
-    run's storage (a sweep checks once).
+    def start(self, prepared: PreparedData, run_dir: str) -> None: ...
+
+    def epoch_logger(self) -> Any: ...
+
+    def fail(self, error: BaseException, use: ResourceUse) -> None: ...
+
+    def stopped(self, use: ResourceUse) -> None: ...
+
+
+def fit(spec: RunSpec, run_name: str, prepared: PreparedData, *, recorder: RunRecorder | None = None,
+        in_trial: bool = False) -> TrainingOutcome:
+    """Train run `run_name` of `spec` on `prepared` data and write its bundle under `train.storage_path`.
+
+    Ray is running and the cluster was checked (`flotilla.pipeline.run_training` composes those
+    steps). `recorder` hears of the run's start, its epochs and how it ended. `in_trial=True`
+    inside a Ray Tune trial: every epoch is reported to Tune too, and a one-worker run trains in
+    the trial's own process (`flotilla.train._in_trial`) instead of starting a worker group.
     """
-    started = time.monotonic()
     t = spec.train
-    run_name = t.run_name or new_run_name(spec)
     fs, storage_root = filesystem_for(t.storage_path, "train.storage_path")
     # What Ray Train gets: the URI as written, or the local path made absolute.
     storage = t.storage_path.rstrip("/") if "://" in t.storage_path else storage_root
-    # MLflow is the driver's alone: every training worker imports this package for its loop, and
-    # importing MLflow there too would cost each one ~1.5 CPU-seconds.
-    from flotilla.track import open_tracker
-
-    tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
-    ensure_ray(spec)
-    check_cluster_fits(spec)
-    if check_storage:
-        check_storage_reaches_every_node(local_storage(t.storage_path, tracker.uri if tracker else None))
-
-    prepared = prepared or prepare_data(spec)
     print(
         f"[{run_name}] data {prepared.source.description!r}: {prepared.train_rows} train / {prepared.val_rows} val "
         f"rows, fingerprint {prepared.fingerprint[:12]}",
@@ -124,14 +121,14 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     # (A sweep's trial always trains: Tune learns its metrics from the epochs it reports.)
     finished = None if in_trial else _finished_bundle(fs, storage_root, run_name, t.epochs, prepared.fingerprint)
     _write_run_record(fs, storage_root, run_name, spec, prepared.fingerprint)
-    if tracker is not None:
-        tracker.start(prepared, f"{storage}/{run_name}")
+    if recorder is not None:
+        recorder.start(prepared, f"{storage}/{run_name}")
     if finished is not None:
         # The same command again after the run finished (a driver that died while registering, a
         # script run twice): its bundle holds every epoch of this data, so no worker group starts.
         print(f"[{run_name}] finished already: its bundle holds all {t.epochs} epochs of this data; "
               "nothing to train", flush=True)
-        return _outcome(spec, fs, storage_root, storage, run_name, prepared, finished, None, tracker, started, in_trial)
+        return _outcome(storage, run_name, prepared, finished, None)
     config = WorkerConfig(
         spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
         train_rows=prepared.train_rows, run_name=run_name,
@@ -140,34 +137,34 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
         # even out the shards. One too big to cache streams, split like the train split.
         whole_val=isinstance(prepared.val, MaterializedDataset),
     )
-    epoch_logger = tracker.epoch_logger() if tracker is not None else None
+    epoch_logger = recorder.epoch_logger() if recorder is not None else None
     fit_started = time.monotonic()
     try:
         if in_trial and t.num_workers == 1:
             checkpoint = _fit_here(config, prepared, fs, f"{storage_root}/{run_name}", epoch_logger)
         else:
-            # The controller hands each epoch to this process, which logs it to MLflow as it comes.
+            # The controller hands each epoch to this process, which logs it as it comes.
             epochs_dir = f"{storage_root}/{run_name}/{EPOCHS_DIR}"
             callbacks = ([EpochRelay(fs, epochs_dir)] if epoch_logger else []) + \
                         ([TuneReportCallback()] if in_trial else [])
             watching = epoch_logger.watching(fs, epochs_dir) if epoch_logger else contextlib.nullcontext()
             with watching:
                 checkpoint = _fit_with_ray_train(config, prepared, storage, callbacks)
-    except BaseException as e:  # KeyboardInterrupt too: the MLflow run says it did not finish
+    except BaseException as e:  # KeyboardInterrupt too: the recorder says the run did not finish
         use = run_resources(spec, time.monotonic() - fit_started)
         if in_trial and isinstance(e, SystemExit) and not e.code:
             # Tune stopped this trial (ASHA): its `report` ends the trial's training thread with
-            # SystemExit(0). The MLflow run says KILLED, as the sweep's driver records it.
+            # SystemExit(0). The recorder says KILLED, as the sweep's driver records it.
             print(f"[{run_name}] stopped by the sweep's scheduler; {use.describe()}", flush=True)
-            if tracker is not None:
-                tracker.stopped(use)
+            if recorder is not None:
+                recorder.stopped(use)
             raise
         error = _explain(e) if isinstance(e, ray.train.TrainingFailedError) else e
         if isinstance(error, Exception) and not isinstance(error, FlotillaError):
             error = TrainingError(f"training failed: {summarize(error)}")
         print(f"[{run_name}] {use.describe()}", flush=True)
-        if tracker is not None:
-            tracker.fail(error, use)
+        if recorder is not None:
+            recorder.fail(error, use)
         if error is e:
             raise
         raise error from e
@@ -187,17 +184,14 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     if epoch_logger is not None:
         # The epochs are logged from a thread of this process: give it a moment to finish.
         epoch_logger.flush(timeout_s=10)
-    return _outcome(spec, fs, storage_root, storage, run_name, prepared, bundle_metrics, use, tracker, started, in_trial)
+    return _outcome(storage, run_name, prepared, bundle_metrics, use)
 
 
-def _outcome(spec: RunSpec, fs: pafs.FileSystem, storage_root: str, storage: str, run_name: str,
-             prepared: PreparedData, bundle_metrics: dict[str, Any], use: ResourceUse | None, tracker, started: float,
-             in_trial: bool) -> TrainingOutcome:
-    """The finished run's outcome from its bundle's metrics (`storage_root` on `fs`: `storage`); with a
-    tracker, recorded and registered. `use` is None when nothing trained now (the MLflow run keeps the
-    resources it logged before)."""
-    bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
-    outcome = TrainingOutcome(
+def _outcome(storage: str, run_name: str, prepared: PreparedData, bundle_metrics: dict[str, Any],
+             use: ResourceUse | None) -> TrainingOutcome:
+    """The finished run's outcome from its bundle's metrics. `use` is None when nothing trained now
+    (the tracking run keeps the resources it logged before)."""
+    return TrainingOutcome(
         run_name=run_name,
         run_dir=f"{storage}/{run_name}",
         task=prepared.schema.task,
@@ -207,17 +201,6 @@ def _outcome(spec: RunSpec, fs: pafs.FileSystem, storage_root: str, storage: str
         fingerprint=prepared.fingerprint,
         resources=use,
     )
-    if tracker is not None:
-        outcome.mlflow_run_id, outcome.tracking_uri = tracker.run_id, tracker.uri
-        with local_copy(fs, bundle_fs_path) as local_bundle:
-            outcome.registration = tracker.finish(outcome, prepared, time.monotonic() - started, local_bundle)
-        if spec.export.after_training and outcome.registration is not None and not in_trial:
-            from flotilla.export import export_model
-
-            r = outcome.registration
-            outcome.exported = export_model(f"{r.model_name}/{r.version}", tracking_uri=tracker.uri, spec=spec,
-                                            prepared=prepared)
-    return outcome
 
 
 def _whole_val_config() -> ray.train.DataConfig:

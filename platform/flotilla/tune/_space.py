@@ -7,7 +7,7 @@ from typing import Any
 
 from ray import tune
 
-from flotilla.spec import RunSpec, TuneSpec, set_path, validate_spec
+from flotilla.spec import RunSpec, TuneSpec, trial_spec
 
 RESOURCE_PATHS = ("train.num_workers", "train.cpus_per_worker", "train.gpus_per_worker")
 
@@ -28,14 +28,6 @@ def tune_domains(t: TuneSpec) -> dict[str, Any]:
         else:
             domains[path] = tune.choice(list(arg))
     return domains
-
-
-def trial_spec(base: RunSpec, values: dict[str, Any], **fixed: Any) -> RunSpec:
-    """The base spec with a trial's sampled values (dotted paths) and `fixed` overrides applied."""
-    raw = base.model_dump(mode="json", exclude={"tune"})
-    for path, value in {**values, **fixed}.items():
-        set_path(raw, path, value)
-    return validate_spec(raw, "trial spec")
 
 
 def largest_trial(base: RunSpec) -> RunSpec:
