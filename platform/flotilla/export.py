@@ -29,10 +29,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flotilla.bundle import (ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, find_bundle,
-                             load_bundle)
-from flotilla.errors import BundleError
+from flotilla.bundle import ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, load_bundle
+from flotilla.data import TOKENS, ByteWindows, prepare_data
+from flotilla.errors import BundleError, TrackingError
 from flotilla.metrics import primary_metric
+from flotilla.runtime import ensure_ray
+from flotilla.spec import load_spec
+from flotilla.track import BundleEvaluator, LocalBundle, local_bundle
+
 
 class _GPTGraph(torch.nn.Module):
     """`GPT.step_with` as a graph whose cache is tensors in and out."""
@@ -141,8 +145,6 @@ def build_variants(bundle, batches: Iterable[pd.DataFrame], export, label_column
 
 def _gate(bundle, variants: dict, batches: Iterable[pd.DataFrame], export, label_column, text_column
           ) -> dict[str, dict[str, Any]]:
-    from flotilla.track._gate import BundleEvaluator
-
     evaluators = {name: BundleEvaluator(b, label_column, text_column) for name, b in [("torch", bundle), *variants.items()]}
     largest = dict.fromkeys(variants, 0.0)
     for batch in batches:
@@ -182,8 +184,6 @@ def _outputs(bundle, batch: pd.DataFrame, label_column, text_column) -> np.ndarr
     """What the runtimes must agree on: class probabilities, predictions, or (language models) the
     next-token probabilities of the batch's first windows."""
     if bundle.task == "lm":
-        from flotilla.data import TOKENS, ByteWindows
-
         windows = ByteWindows(text_column, bundle.schema.context)._transform_pandas(batch.head(8))[TOKENS]
         if len(windows) == 0:
             return None
@@ -247,59 +247,43 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
     variant (passed or failed, and why). The validation rows come from the spec the version was
     trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`); the end of a
     training run passes its own `spec` and `prepared` data."""
-    from flotilla.data import prepare_data
-    from flotilla.runtime import ensure_ray
-    from flotilla.spec import load_spec
 
-    with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp:
-        registered = _registered(reference, tracking_uri, Path(tmp))
-        if registered is None:
-            bundle_dir = find_bundle(reference)
-            spec_file = config or (None if spec is not None else _run_spec_file(bundle_dir))
+    with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp, \
+            local_bundle(reference, tracking_uri, "flotilla export") as found:
+        if found.client is None:
+            spec_file = config or (None if spec is not None else _run_spec_file(found.path))
         else:
-            client, name, version, bundle_dir, relative, spec_file = registered
-            spec_file = config or spec_file
+            version = found.client.get_model_version(found.name, found.version)
+            if _model_id(version) is None:
+                raise TrackingError(f"{found.name} v{found.version} has no logged model to add variants to "
+                                    f"(source {version.source})")
+            spec_file = config or _run_spec(found, version.run_id, Path(tmp))
         if spec is None:
             spec = load_spec(spec_file, list(overrides))
-        bundle = load_bundle(bundle_dir)
+        bundle = load_bundle(found.path)
         if prepared is None:
             ensure_ray(spec)
             prepared = prepare_data(spec)
         schema = prepared.schema
         batches = prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas")
         records = build_variants(bundle, batches, spec.export, schema.label_column, schema.text_column)
-        if registered is None:
-            return ExportOutcome(reference, None, bundle_dir, records)
-        _publish(client, name, version, bundle_dir, relative, records)
-        return ExportOutcome(name, version, bundle_dir, records)
+        if found.client is None:
+            return ExportOutcome(reference, None, found.path, records)
+        _publish(found.client, found.name, found.version, found.path, found.relative, records)
+        return ExportOutcome(found.name, found.version, found.path, records)
 
 
-def _registered(reference: str, tracking_uri: str | None, tmp: Path):
-    """(client, name, version, bundle dir, its path inside the model, the run's spec file) for
-    NAME@ALIAS or NAME/VERSION, downloaded into `tmp`; None for a path."""
-    if Path(reference).expanduser().exists():
-        return None
+def _run_spec(found: LocalBundle, run_id: str, tmp: Path) -> str:
+    """The spec the version's run trained with (its `spec.yaml` artifact), downloaded into `tmp`."""
     from mlflow.artifacts import download_artifacts
     from mlflow.exceptions import MlflowException
 
-    from flotilla.errors import TrackingError
-    from flotilla.track import registry_client, resolve_reference
-    from flotilla.track._registry import _bundle_dir
-
-    client = registry_client(tracking_uri)
-    name, version = resolve_reference(client, reference, "flotilla export")
     try:
-        found = client.get_model_version(name, version)
-        location = client.get_model_version_download_uri(name, version)
-        model = Path(download_artifacts(artifact_uri=location, dst_path=str(tmp / "model"), tracking_uri=client.tracking_uri))
-        spec_file = download_artifacts(run_id=found.run_id, artifact_path="spec.yaml", dst_path=str(tmp / "run"),
-                                       tracking_uri=client.tracking_uri)
+        return download_artifacts(run_id=run_id, artifact_path="spec.yaml", dst_path=str(tmp / "run"),
+                                  tracking_uri=found.client.tracking_uri)
     except MlflowException as e:
-        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
-    bundle_dir = _bundle_dir(model, f"{name} v{version}")
-    if _model_id(found) is None:
-        raise TrackingError(f"{name} v{version} has no logged model to add variants to (source {found.source})")
-    return client, name, version, bundle_dir, bundle_dir.relative_to(model.resolve()).as_posix(), spec_file
+        raise TrackingError(f"{found.name} v{found.version}: its run's spec.yaml: {e.message} "
+                            f"(store {found.client.tracking_uri})") from None
 
 
 def _model_id(version) -> str | None:

@@ -30,11 +30,15 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from flotilla.bundle import BUNDLE_FILES, load_bundle
+from flotilla.data import filesystem_for, resolve_source
 from flotilla.data._columns import as_numbers, numeric_matrix
 from flotilla.errors import DataError
+from flotilla.redact import redact
+from flotilla.runtime import ensure_ray
+from flotilla.track import LocalBundle, local_bundle
 
 PREDICTIONS, REJECTED = "predictions", "rejected"
-BUNDLE_FILES = ("model.safetensors", "model.json", "preprocessors.json", "metrics.json")
 
 
 @dataclass
@@ -56,31 +60,11 @@ class PredictOutcome:
 
 
 # ------------------------------------------------------------------------------ the model
-def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict[str, bytes], str | None, Any]:
-    """The bundle's files for `reference` (NAME@ALIAS, NAME/VERSION, or a bundle or run directory),
-    the registered version (None for a directory), and the MLflow client (None for a directory)."""
-    path = Path(reference).expanduser()
-    if path.is_dir():
-        bundle = path / "bundle" if (path / "bundle" / "model.json").is_file() else path
-        missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
-        if missing:
-            raise DataError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); "
-                            "give a run's bundle directory, NAME@ALIAS or NAME/VERSION")
-        return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, None, None
-    import tempfile
-
-    from mlflow.artifacts import download_artifacts
-
-    from flotilla.track import registry_client, resolve_reference
-    from flotilla.track._registry import _bundle_dir
-
-    client = registry_client(tracking_uri)
-    name, version = resolve_reference(client, reference, "flotilla predict")
-    location = client.get_model_version_download_uri(name, version)
-    with tempfile.TemporaryDirectory(prefix="flotilla-predict-") as tmp:
-        model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
-        bundle = _bundle_dir(model, f"{name} v{version}")
-        return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, version, client
+def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict[str, bytes], LocalBundle]:
+    """The bundle's files for `reference` (NAME@ALIAS, NAME/VERSION, models:/..., or a bundle or run
+    directory), and where they came from (the registered name, version and client; None for a directory)."""
+    with local_bundle(reference, tracking_uri, "flotilla predict") as found:
+        return {f: (found.path / f).read_bytes() for f in BUNDLE_FILES}, found
 
 
 class _Scorer:
@@ -94,8 +78,6 @@ class _Scorer:
 
         if isinstance(files, ray.ObjectRef):
             files = ray.get(files)
-
-        from flotilla.bundle import load_bundle
 
         torch.set_num_threads(1)  # one actor per reserved CPU
         self._dir = _bundle_dir(files, "flotilla-scorer-")
@@ -186,12 +168,8 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     import ray
     import ray.data
 
-    from flotilla.bundle import load_bundle
-    from flotilla.data import filesystem_for, resolve_source
-    from flotilla.runtime import ensure_ray
-
     started = time.monotonic()
-    files, version, client = resolve_model(model, tracking_uri)
+    files, origin = resolve_model(model, tracking_uri)
     with _bundle_dir(files, "flotilla-predict-") as here:
         bundle = load_bundle(here)
     if bundle.task == "lm":
@@ -220,10 +198,10 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     )
     scored.write_parquet(f"{output.rstrip('/')}/{PREDICTIONS}" if "://" in output else f"{root}/{PREDICTIONS}",
                          filesystem=None if "://" in output else fs)
-    outcome = PredictOutcome(model, version, output, _rows(fs, f"{root}/{PREDICTIONS}"),
+    outcome = PredictOutcome(model, origin.version, output, _rows(fs, f"{root}/{PREDICTIONS}"),
                              _rows(fs, f"{root}/{REJECTED}"), time.monotonic() - started)
-    if client is not None:
-        outcome.mlflow_run_id = _log_run(client, model, version, found.description, outcome)
+    if origin.client is not None:
+        outcome.mlflow_run_id = _log_run(origin, model, found.description, outcome)
     return outcome
 
 
@@ -264,13 +242,11 @@ def _bundle_dir(files: dict[str, bytes], prefix: str):
     return directory
 
 
-def _log_run(client, model: str, version: str, source: str, outcome: PredictOutcome) -> str:
+def _log_run(origin: LocalBundle, model: str, source: str, outcome: PredictOutcome) -> str:
     """A batch-scoring run in the experiment of the run that trained the version, linked to it."""
     from mlflow.entities import Metric, RunTag
 
-    from flotilla.redact import redact
-
-    name = model.partition("@")[0].rpartition("/")[0] or model.partition("@")[0]
+    client, name, version = origin.client, origin.name, origin.version
     trained = client.get_run(client.get_model_version(name, version).run_id)
     run = client.create_run(trained.info.experiment_id, run_name=f"predict-{name}-v{version}-{time.strftime('%Y%m%d-%H%M%S')}",
                             tags={"flotilla.kind": "batch_prediction", "flotilla.model": name,

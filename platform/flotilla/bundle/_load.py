@@ -43,3 +43,12 @@ def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -
     if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON as well)
         return load_hf_bundle(root)
     return load_torch_bundle(root, factories=factories)
+
+
+def serving_app(model_spec: dict, task: str) -> str:
+    """Which app serves a bundle, from its model.json (`model` and `schema.task`): `chat` (a
+    fine-tuned pretrained model), `generator` (another language model: gpt) or `classifier`.
+    The deploy reads it from the registered version's model.json, the replica from the bundle it loads."""
+    if model_spec.get("kind") == "hf_causal_lm":
+        return "chat"
+    return "generator" if task == "lm" else "classifier"

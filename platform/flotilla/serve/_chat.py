@@ -20,7 +20,6 @@ Requests that arrive together decode together: whole-text ones (`Chat._forward`)
 import asyncio
 import json
 import queue
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -209,6 +208,7 @@ def _finish(generation: _Generation) -> Iterator[str]:
 @serve.ingress(chat_api)
 class Chat(_ModelServer):
     task_kind = "chat"
+    batch_wait_setting = "generate_wait_s"
     example = '{"model": "NAME", "messages": [{"role": "user", "content": "What is 2 plus 3?"}]}'
 
     def __init__(self, *args, **kwargs):
@@ -423,28 +423,6 @@ class Chat(_ModelServer):
         self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
         if generation.completion_tokens:
             self.m_tokens.inc(generation.completion_tokens, tags=tags)
-        shadow = self.shadow
-        if shadow is None or not generation.done:
-            return
-        if random.random() * 100 >= shadow.percent or shadow.version not in self.bundles:
-            return
-        if len(self._mirrors) >= shadow.max_in_flight:
-            self.m_shadow.inc(tags={"model": self.model_name, "version": shadow.version, "agree": "dropped"})
-            return
-        task = asyncio.get_running_loop().create_task(self._mirror(shadow.version, generation))
-        self._mirrors.add(task)
-        task.add_done_callback(self._mirrors.discard)
-
-    async def _mirror(self, version: str, primary: _Generation) -> None:
-        """Shadow mode: the answered request again, on the shadow version, once the caller has its
-        answer; whether the texts agree is counted and logged, never returned."""
-        start = time.perf_counter()
-        tags = {"model": self.model_name, "version": version}
-        try:
-            text = await asyncio.to_thread(lambda: "".join(primary.again(self.bundles[version]).pieces()))
-        except Exception as e:  # a shadow failure must never reach a caller
-            logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
-            self.m_shadow.inc(tags={**tags, "agree": "error"})
-            return
-        self.m_shadow.inc(tags={**tags, "agree": "yes" if text == primary.text else "no"})
-        self.m_shadow_latency.observe((time.perf_counter() - start) * 1000, tags=tags)
+        if generation.done:
+            self.mirror(lambda _, bundle: asyncio.to_thread(lambda: "".join(generation.again(bundle).pieces())),
+                        lambda text: float(text == generation.text))

@@ -10,15 +10,23 @@ driver, so every replica serves exactly the versions printed at deploy time.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from flotilla.runtime import HAPROXY_ENV
+from mlflow.models import Model
+
+from flotilla.bundle import MODEL_JSON, choose_runtime, serving_app
+from flotilla.errors import BundleError, ServeError, TrackingError
+from flotilla.runtime import HAPROXY_ENV, ensure_ray, started_local_haproxy, started_local_ray
 from flotilla.spec import RunSpec, ServeSpec
-from flotilla.errors import ServeError, TrackingError
+from flotilla.track import (CANDIDATE, CHAMPION, alias_version, bundle_in_model, model_file, registered_variants,
+                            registry_client, set_alias)
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._chat import Chat
-from flotilla.serve._server import Classifier, Generator
+from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, Classifier, Generator
 
 APP_KINDS = {"classifier": Classifier, "generator": Generator, "chat": Chat}
 
@@ -71,14 +79,9 @@ def served_model(spec: RunSpec, model: str | None = None) -> str:
 
 def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None) -> DeploymentPlan:
     """Resolve the spec's traffic targets against the registry and decide the app kind."""
-    from mlflow import MlflowClient
-
-    from flotilla.track import alias_version, check_tracking_uri, resolve_tracking_uri
-
     name = served_model(spec, model)
-    uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
-    check_tracking_uri(uri)
-    client = MlflowClient(uri)
+    client = registry_client(tracking_uri or spec.track.uri)
+    uri = client.tracking_uri
     try:
         client.get_registered_model(name)
     except Exception:
@@ -132,38 +135,29 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
 
 def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:
     """Before anything is deployed: each version holds the variant `serve.runtime` names, and it
-    passed its gate (the replica checks again when it loads the files)."""
-    from flotilla.errors import BundleError
-    from flotilla.bundle import choose_runtime
-
+    passed its gate, as its variant records say (the replica checks again when it loads the files)."""
     if runtime in ("torch", "auto"):
         return
     for version in sorted(versions, key=int):
-        verdict = client.get_model_version(name, version).tags.get(f"flotilla.runtime.{runtime}")
-        records = {} if verdict is None else {runtime: {"passed": verdict.startswith("passed"), "reason": verdict}}
         try:
-            choose_runtime(records, runtime, f"{name} v{version}")
+            choose_runtime(registered_variants(client, name, version), runtime, f"{name} v{version}")
         except BundleError as e:
             raise ServeError(f"serve.runtime={runtime}: {e}") from None
 
 
 def _version_kind(client, name: str, version: str) -> str:
-    """`chat` for a fine-tuned pretrained model (its run's `model.kind`), `generator` for another
-    language model (its signature takes a `prompt`), else `classifier`."""
-    import mlflow
-    from mlflow.models import get_model_info
-
-    mlflow.set_tracking_uri(client.tracking_uri)
-    mv = client.get_model_version(name, version)
-    try:
-        info = get_model_info(f"models:/{name}/{version}")
-    except Exception as e:
-        raise TrackingError(f"{name} v{version} ({mv.source}) has no readable MLflow model: {e}") from None
-    inputs = info.signature.inputs.input_names() if info.signature is not None else []
-    if inputs != ["prompt"]:
-        return "classifier"
-    params = client.get_run(mv.run_id).data.params if mv.run_id else {}
-    return "chat" if params.get("model.kind") == "hf_causal_lm" else "generator"
+    """Which app serves registered `name` version `version`: `flotilla.bundle.serving_app` of the
+    model.json in its bundle (read alone, without the weights)."""
+    with tempfile.TemporaryDirectory(prefix="flotilla-kind-") as tmp:
+        mlmodel = model_file(client, name, version, "MLmodel", Path(tmp))
+        if mlmodel is None:
+            raise TrackingError(f"{name} v{version} has no MLflow model (no MLmodel file)")
+        bundle = bundle_in_model(mlmodel.parent, f"{name} v{version}").relative_to(mlmodel.parent.resolve())
+        found = model_file(client, name, version, f"{bundle.as_posix()}/{MODEL_JSON}", Path(tmp) / "bundle")
+        if found is None:
+            raise TrackingError(f"{name} v{version}: its bundle has no {MODEL_JSON}")
+        meta = json.loads(found.read_text())
+    return serving_app(meta.get("model") or {}, (meta.get("schema") or {}).get("task", ""))
 
 
 def build_application(plan: DeploymentPlan):
@@ -201,8 +195,6 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     """
     import ray.util
     from ray import serve
-
-    from flotilla.runtime import ensure_ray, started_local_haproxy, started_local_ray
 
     s = plan.serve
     ensure_ray(ingress=s.ingress)  # a running cluster must have been started with its ingress
@@ -282,28 +274,18 @@ def sample_request(plan: DeploymentPlan) -> tuple[str, dict[str, Any]]:
     if plan.kind == "chat":
         return "/v1/chat/completions", {"model": plan.model, "messages": [{"role": "user", "content": "What is 2 plus 3?"}],
                                         "max_tokens": 16, "temperature": 0}
-    import tempfile
-
-    import mlflow
-    from mlflow.models import Model
-
-    mlflow.set_tracking_uri(plan.tracking_uri)
+    client = registry_client(plan.tracking_uri, check=False)
     version = next(iter(plan.traffic))
     with tempfile.TemporaryDirectory() as tmp:
-        path = mlflow.artifacts.download_artifacts(f"models:/{plan.model}/{version}", dst_path=tmp)
-        example = Model.load(path).load_input_example(path)
+        path = model_file(client, plan.model, version, "", Path(tmp))
+        example = Model.load(str(path)).load_input_example(str(path))
     return "/predict", {"instances": example.astype("float64").to_numpy().tolist()}
 
 
 def promote_candidate(spec: RunSpec, model: str | None = None, tracking_uri: str | None = None):
     """Point `champion` at the `candidate` version of the served model (an `AliasChange`)."""
-    from mlflow import MlflowClient
-
-    from flotilla.track import CANDIDATE, CHAMPION, alias_version, resolve_tracking_uri, set_alias
-
     name = served_model(spec, model)
-    uri, _ = resolve_tracking_uri(tracking_uri or spec.track.uri)
-    client = MlflowClient(uri)
+    client = registry_client(tracking_uri or spec.track.uri, check=False)
     version = alias_version(client, name, CANDIDATE)
     if version is None:
         raise ServeError(f"{name} has no `candidate` version to promote")
@@ -314,8 +296,6 @@ def delete_endpoint(spec: RunSpec, model: str | None = None) -> str:
     """Remove the served model's Serve application; returns its name."""
     from ray import serve
 
-    from flotilla.runtime import ensure_ray
-
     ensure_ray()
     name = served_model(spec, model)
     serve.delete(name)
@@ -324,11 +304,7 @@ def delete_endpoint(spec: RunSpec, model: str | None = None) -> str:
 
 def query_endpoint(endpoint: Endpoint) -> tuple[bool, list[str]]:
     """Send the sample request over HTTP; (answered 200, the lines that say what came back)."""
-    import json
-
     import requests
-
-    from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER
 
     path, body = sample_request(endpoint.plan)
     response = requests.post(endpoint.url + path, json=body, timeout=60)

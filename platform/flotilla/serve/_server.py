@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import pandas as pd
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from flotilla.bundle import serving_app
 from flotilla.data._columns import as_category, numeric_matrix
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
@@ -43,6 +44,7 @@ from flotilla.serve._schemas import (
     schema_of,
     validation_fields,
 )
+from flotilla.track import load_registered_bundle, registry_client
 
 logger = logging.getLogger("ray.serve")
 VERSION_HEADER = "X-Model-Version"
@@ -96,24 +98,14 @@ def load_version(model: str, version: str, tracking_uri: str, factories: tuple[s
     no code that the registry holds runs in a replica, and a custom model's factory only when
     `factories` (`serve.allow_factories`) lists it (`flotilla.track.load_registered_bundle`); its
     model run by `runtime` (`serve.runtime`)."""
-    from mlflow import MlflowClient
-
-    from flotilla.track import load_registered_bundle
-
-    return load_registered_bundle(MlflowClient(tracking_uri), model, version, factories, runtime)
-
-
-def bundle_kind(bundle) -> str:
-    """Which app serves a bundle: `chat` (a fine-tuned pretrained model), `generator` (gpt) or `classifier`."""
-    if bundle.model_spec.get("kind") == "hf_causal_lm":
-        return "chat"
-    return "generator" if bundle.task == "lm" else "classifier"
+    return load_registered_bundle(registry_client(tracking_uri, check=False), model, version, factories, runtime)
 
 
 class _ModelServer:
     """What both endpoints share: loading versions, routing, limits, metrics, health."""
 
-    task_kind: str = ""  # "classifier" | "generator"
+    task_kind: str = ""  # "classifier" | "generator" | "chat" (`flotilla.bundle.serving_app`)
+    batch_wait_setting = "batch_wait_timeout_s"  # the ReplicaConfig field bounding a batch's wait
 
     def __init__(self, model: str, tracking_uri: str, limits: dict[str, Any]):
         import torch
@@ -160,10 +152,8 @@ class _ModelServer:
         for version in sorted(wanted - set(bundles)):
             bundles[version] = await asyncio.to_thread(self._load_and_warm, version, config)
         split = TrafficSplit(config.traffic)
-        if hasattr(self, "_forward"):
-            self._forward.set_max_batch_size(config.max_batch_size)
-            self._forward.set_batch_wait_timeout_s(
-                config.generate_wait_s if self.task_kind in ("generator", "chat") else config.batch_wait_timeout_s)
+        self._forward.set_max_batch_size(config.max_batch_size)
+        self._forward.set_batch_wait_timeout_s(getattr(config, self.batch_wait_setting))
         self.max_batch = config.max_batch_size
         self.bundles = {v: b for v, b in bundles.items() if v in wanted}
         self.split, self.aliases, self.shadow = split, config.aliases, config.shadow
@@ -175,7 +165,7 @@ class _ModelServer:
             runtime = "torch"  # the ONNX variants run on the CPU
         bundle = load_version(self.model_name, version, self.tracking_uri, self.limits.allow_factories,
                               runtime).to(self.device)
-        kind = bundle_kind(bundle)
+        kind = serving_app(bundle.model_spec, bundle.task)
         if kind != self.task_kind:
             raise RuntimeError(f"{self.model_name} v{version} is a {bundle.task} model; serve it with the {kind} app")
         self.warm_up(bundle, config.max_batch_size)
@@ -191,6 +181,43 @@ class _ModelServer:
 
     def warm_up(self, bundle, rows: int) -> None:
         raise NotImplementedError
+
+    async def _forward(self, items: list[tuple[str, Any, Any]]) -> list[Any]:
+        """Each subclass's batched model call (`@serve.batch`): (version, bundle, request) -> answer."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shadow
+    def mirror(self, run: Callable[[str, Any], Awaitable[Any]], agreement: Callable[[Any], float],
+               busy: bool = False) -> None:
+        """Shadow mode: with `serve.shadow.percent` chance, the answered request again on the shadow
+        version (`run(version, bundle)`), in the background; how far its answer agrees with the
+        primary's (`agreement`, 1.0 = the same) is counted and logged, never returned. A mirror only
+        starts with fewer than `max_in_flight` running and the replica not `busy`; otherwise it is
+        counted as dropped: under load the shadow thins out instead of doubling the replica's work."""
+        shadow = self.shadow
+        if shadow is None or shadow.version not in self.bundles or random.random() * 100 >= shadow.percent:
+            return
+        if len(self._mirrors) >= shadow.max_in_flight or busy:
+            self.m_shadow.inc(tags={"model": self.model_name, "version": shadow.version, "agree": "dropped"})
+            return
+        task = asyncio.get_running_loop().create_task(self._mirror(shadow.version, run, agreement))
+        self._mirrors.add(task)
+        task.add_done_callback(self._mirrors.discard)
+
+    async def _mirror(self, version: str, run, agreement) -> None:
+        tags = {"model": self.model_name, "version": version}
+        start = time.perf_counter()
+        try:
+            answer = await run(version, self.bundles[version])
+        except Exception as e:  # a shadow failure must never reach a caller
+            logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
+            self.m_shadow.inc(tags={**tags, "agree": "error"})
+            return
+        ms = (time.perf_counter() - start) * 1000
+        agree = agreement(answer)
+        self.m_shadow.inc(tags={**tags, "agree": "yes" if agree == 1 else "no"})
+        self.m_shadow_latency.observe(ms, tags=tags)
+        logger.info("shadow v%s: answered in %.1f ms, agreement %.3f with the primary", version, ms, agree)
 
     # ------------------------------------------------------------------ requests
     def info(self) -> dict[str, Any]:
@@ -402,8 +429,10 @@ class Classifier(_ModelServer):
             payload = {"model": self.model_name, "version": version, **out}
             if bundle.classes is not None:
                 payload["classes"] = bundle.classes
-            if self.shadow and random.random() * 100 < self.shadow.percent:
-                self._maybe_mirror(rows, out["predictions"])
+            primary = out["predictions"]
+            self.mirror(lambda v, b: self._forward((v, b, rows)),
+                        lambda shadow: sum(a == b for a, b in zip(shadow["predictions"], primary)) / max(1, len(primary)),
+                        busy=bool(self._pending))
             return version, JSONResponse(payload, headers=self.headers(version, bundle))
 
         return await self.answer(request, handle)
@@ -510,37 +539,6 @@ class Classifier(_ModelServer):
                 offset += n
         return results
 
-    def _maybe_mirror(self, rows: np.ndarray, primary: list) -> None:
-        """Mirror a request to the shadow version only with the model idle and fewer than
-        `max_in_flight` mirrors running; otherwise count it as dropped. The shadow takes idle time
-        only: under load it thins out instead of doubling the replica's work."""
-        shadow = self.shadow
-        if len(self._mirrors) >= shadow.max_in_flight or self._pending:
-            self.m_shadow.inc(tags={"model": self.model_name, "version": shadow.version, "agree": "dropped"})
-            return
-        task = asyncio.get_running_loop().create_task(self._mirror(shadow.version, rows, primary))
-        self._mirrors.add(task)
-        task.add_done_callback(self._mirrors.discard)
-
-    async def _mirror(self, version: str, rows: np.ndarray, primary: list) -> None:
-        """Shadow mode: the same rows through the shadow version; its answer is logged, not returned."""
-        bundle = self.bundles.get(version)
-        if bundle is None:
-            return
-        start = time.perf_counter()
-        try:
-            out = await self._forward((version, bundle, rows))
-        except Exception as e:  # a shadow failure must never reach the caller
-            logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
-            self.m_shadow.inc(tags={"model": self.model_name, "version": version, "agree": "error"})
-            return
-        ms = (time.perf_counter() - start) * 1000
-        agree = sum(a == b for a, b in zip(out["predictions"], primary)) / max(1, len(primary))
-        tags = {"model": self.model_name, "version": version}
-        self.m_shadow.inc(tags={**tags, "agree": "yes" if agree == 1 else "no"})
-        self.m_shadow_latency.observe(ms, tags=tags)
-        logger.info("shadow v%s: %d rows in %.1f ms, agreement %.3f with the primary", version, len(primary), ms, agree)
-
 
 # ------------------------------------------------------------------------- generator
 generator_api = _api("Flotilla generator", "Text generation from a registered gpt model.")
@@ -550,6 +548,7 @@ generator_api = _api("Flotilla generator", "Text generation from a registered gp
 @serve.ingress(generator_api)
 class Generator(_ModelServer):
     task_kind = "generator"
+    batch_wait_setting = "generate_wait_s"
     example = '{"prompt": "def ", "max_tokens": 32}'
 
     def warm_up(self, bundle, rows: int) -> None:

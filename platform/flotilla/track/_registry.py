@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Collection
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from flotilla.errors import BundleError, TrackingError
+from flotilla.errors import TrackingError
 from flotilla.track._store import lost_insert_race, retry_lost_insert
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -156,48 +155,3 @@ def _check_version(client: MlflowClient, name: str, version: str) -> None:
         raise TrackingError(
             f"{name} has no version {version!r}; versions: {', '.join(map(str, versions)) or 'none'}"
         ) from None
-
-
-def load_registered_bundle(client: MlflowClient, name: str, version: str, factories: Collection[str] = (),
-                           runtime: str = "torch"):
-    """Registered `name` version `version` as an inference bundle (`flotilla.bundle.load_bundle`):
-    its model directory is downloaded and only its bundle (safetensors weights, JSON config and
-    preprocessors, where the MLmodel file says) is read, by the Flotilla installed here. Nothing the
-    version carries is imported or run, unlike
-    `mlflow.pyfunc.load_model`, which executes the model's own code: anyone who can write to the
-    registry could have replaced that code. A `custom` model's factory is imported only when
-    `factories` lists it (`serve.allow_factories`). `runtime` picks what runs the model: torch, or
-    an ONNX variant the version holds (`InferenceBundle.with_runtime`)."""
-    import tempfile
-    from pathlib import Path
-
-    from mlflow.artifacts import download_artifacts
-
-    from flotilla.bundle import load_bundle
-
-    location = client.get_model_version_download_uri(name, version)
-    with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
-        # The whole model directory, as MLflow's own loader fetches it: a subdirectory alone is not
-        # found as one through every artifact server (an MLflow server proxying a local store).
-        model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
-        bundle = load_bundle(_bundle_dir(model, f"{name} v{version}"), factories=factories)  # read into memory
-        try:
-            return bundle.with_runtime(runtime)
-        except BundleError as e:
-            raise TrackingError(f"{name} v{version}: {e}") from None
-
-
-def _bundle_dir(model: Path, what: str) -> Path:
-    """Where the pyfunc model in `model` keeps its bundle (the artifact logged as `bundle`): the path
-    its MLmodel file names, read as YAML and kept inside the model directory."""
-    import yaml
-
-    try:
-        meta = yaml.safe_load((model / "MLmodel").read_text())
-        relative = meta["flavors"]["python_function"]["artifacts"]["bundle"]["path"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
-        raise TrackingError(f"{what} is not a Flotilla model: its MLmodel names no `bundle` artifact ({e})") from None
-    path = (model / relative).resolve()
-    if not path.is_relative_to(model.resolve()):
-        raise TrackingError(f"{what}: its MLmodel puts the bundle outside the model ({relative!r})")
-    return path

@@ -47,9 +47,9 @@ from flotilla.track._registry import (
     AliasChange,
     alias_version,
     ensure_registered_model,
-    load_registered_bundle,
     set_alias,
 )
+from flotilla.track._fetch import load_registered_bundle
 from flotilla.track._store import check_tracking_uri, resolve_tracking_uri, retry_lost_insert
 
 PACKAGE_DIR = Path(flotilla.__file__).resolve().parent

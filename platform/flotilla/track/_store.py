@@ -84,12 +84,15 @@ class _quick_http:
                 os.environ[k] = v
 
 
-def registry_client(uri: str | None):
-    """An `MlflowClient` on the store `uri` resolves to (see `resolve_tracking_uri`), checked first."""
+def registry_client(uri: str | None, check: bool = True):
+    """The one way Flotilla makes an `MlflowClient`: on the store `uri` resolves to (see
+    `resolve_tracking_uri`), checked first unless `check` is off (the caller checked it). Nothing
+    process-wide is set (no `mlflow.set_tracking_uri`): each client names its store."""
     from mlflow import MlflowClient
 
     resolved, _ = resolve_tracking_uri(uri)
-    check_tracking_uri(resolved)
+    if check:
+        check_tracking_uri(resolved)
     return MlflowClient(resolved)
 
 
