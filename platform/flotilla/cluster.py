@@ -20,6 +20,8 @@ from typing import Any, Iterable
 
 import ray
 
+from flotilla.errors import ClusterError
+
 PRICE_LABEL = "flotilla.io/price-per-hour"
 # After asking the autoscaler for nodes: if it has launched nothing by then, it never will
 # (every node type too small, max_workers reached, or no autoscaler at all).
@@ -152,7 +154,6 @@ def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
     registered there cannot be loaded by a replica elsewhere). Visibility is tested, not guessed:
     a marker file written here is looked for by a zero-CPU task pinned to each alive node.
     """
-    from flotilla.errors import ClusterError
 
     problems = []
     for field, directory in paths.items():

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from flotilla.bundle._sampling import logit_bias_tensors, sample_next
+from flotilla.bundle._torch import GENERATE_DEFAULTS
 from flotilla.data import DataSchema
 from flotilla.errors import BundleError
 
@@ -39,6 +40,7 @@ def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], sc
 
     For LoRA the model is consumed: its adapters are saved, then merged into its base weights in
     place. Build it from the consolidated state dict on rank 0 (as the loop's bundle check does)."""
+    # Function-local: they import transformers and peft, which loading a torch bundle never needs.
     from flotilla.data._instruct import load_tokenizer
     from flotilla.models._hf import merge_into_base
 
@@ -229,7 +231,6 @@ class HFBundle:
         max_tokens, temperature, top_k (0: off), seed (-1: random)."""
         import pandas as pd
 
-        from flotilla.bundle import GENERATE_DEFAULTS
 
         if "prompt" not in frame.columns:
             raise BundleError(f"a language-model bundle needs a `prompt` column; got {', '.join(map(str, frame.columns))}")

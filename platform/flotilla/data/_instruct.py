@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from flotilla.errors import DataError
+from flotilla.models._hf_tiny import resolve_pretrained
 
 INPUT_IDS, LABELS = "input_ids", "labels"
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -57,8 +58,6 @@ def detect_format(columns: Iterable[str]) -> str:
 def load_tokenizer(pretrained: str, revision: str | None = None, trust_remote_code: bool = False):
     """The pretrained model's tokenizer, loaded once per process."""
     from transformers import AutoTokenizer
-
-    from flotilla.models._hf_tiny import resolve_pretrained
 
     try:
         return AutoTokenizer.from_pretrained(resolve_pretrained(pretrained), revision=revision, trust_remote_code=trust_remote_code)

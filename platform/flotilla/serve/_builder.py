@@ -14,8 +14,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flotilla.spec import load_spec
 from flotilla.errors import ServeError
+from flotilla.serve._deploy import build_application, plan_deployment
+from flotilla.spec import load_spec, traffic_override
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -36,9 +37,6 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: dict, kind: str):
-    from flotilla.serve._deploy import build_application, plan_deployment
-    from flotilla.spec import traffic_override
-
     parsed = AppArgs.model_validate(args or {})
     overrides = list(parsed.set)
     chosen = [x for x in (parsed.alias, parsed.version, parsed.traffic) if x]

@@ -29,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from flotilla.bundle import TextDecoder
 from flotilla.serve._openai import (
     AssistantMessage,
     ChatChoice,
@@ -44,6 +45,7 @@ from flotilla.serve._openai import (
     openai_error,
 )
 from flotilla.serve._replica_config import ReplicaConfig
+from flotilla.serve._schemas import ErrorField
 from flotilla.serve._server import ApiError, _api, _by_version, _ModelServer, logger
 
 chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.")
@@ -119,7 +121,6 @@ class _Generation:
         """A check to feed this generation's tokens one by one while they are decoded together with
         others: true once its text holds a stop string (the row can end there; `pieces` then cuts
         the text as it does alone)."""
-        from flotilla.bundle import TextDecoder
 
         if not self.stops:
             return lambda token: False
@@ -143,7 +144,6 @@ class _Generation:
 
 
 def _fields(field: str, message: str):
-    from flotilla.serve._schemas import ErrorField
 
     return [ErrorField(field=field, message=message)]
 

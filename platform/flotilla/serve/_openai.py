@@ -21,6 +21,8 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Option
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
+from flotilla.serve._schemas import validation_fields
+
 Number = Annotated[float, AllowInfNan(False)]
 MAX_STOPS = 4  # OpenAI's limit
 SSE_DONE = b"data: [DONE]\n\n"
@@ -362,7 +364,6 @@ def openai_error(error: ValidationError | str, status: int = 422) -> tuple[int, 
     if isinstance(error, str):
         detail = OpenAIErrorDetail(message=error, type="invalid_request_error" if status < 500 else "server_error")
         return status, OpenAIError(error=detail).model_dump()
-    from flotilla.serve._schemas import validation_fields
 
     fields = validation_fields(error)
     message = "; ".join(f"{f.field}: {f.message}" for f in fields)

@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from flotilla.errors import SpecError
+from flotilla.redact import redact
 from flotilla.spec._messages import describe
 from flotilla.spec._paths import set_path
 from flotilla.spec._sections import RunSpec
@@ -68,7 +69,6 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def spec_to_yaml(spec: RunSpec) -> str:
     """The resolved spec as YAML, with passwords in URIs masked: it is printed and stored with the run."""
-    from flotilla.redact import redact
 
     return redact(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 

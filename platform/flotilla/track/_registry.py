@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from flotilla.errors import TrackingError
+from flotilla.errors import SpecError, TrackingError
 from flotilla.track._store import lost_insert_race, retry_lost_insert
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -35,8 +35,6 @@ class AliasChange:
 
 def resolve_reference(client: MlflowClient, reference: str, command: str) -> tuple[str, str]:
     """`--model NAME@ALIAS` or `NAME/VERSION` as (name, version), the version checked to exist."""
-    from flotilla.errors import SpecError
-
     if "@" in reference:
         name, _, alias = reference.partition("@")
         version = None

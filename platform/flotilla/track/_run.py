@@ -33,10 +33,11 @@ from mlflow.exceptions import MlflowException
 
 import flotilla
 from flotilla._epochs import read_new
-from flotilla.bundle import weights_file
-from flotilla.bundle import file_sha256
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
+from flotilla.bundle import file_sha256, load_bundle, weights_file
+from flotilla.data import as_category
+from flotilla.data._columns import as_numbers
 from flotilla.errors import BundleError, NotFiniteError, TrackingError, summarize
 from flotilla.metrics import not_finite
 from flotilla.track._curves import plot_training_curves
@@ -335,7 +336,6 @@ class Tracker:
     def _log_model(self, bundle_dir: Path, prepared) -> str:
         from mlflow.models import infer_signature
 
-        from flotilla.bundle import load_bundle
 
         bundle = load_bundle(bundle_dir)
         if bundle.task == "lm":
@@ -411,7 +411,6 @@ class Tracker:
         return Registration(name, version, decision, champion)
 
     def _compare_with_champion(self, decision: GateDecision, prepared, bundle_dir: Path) -> None:
-        from flotilla.bundle import load_bundle
 
         task = prepared.schema.task
         current = alias_version(self.client, self.model_name, CHAMPION)
@@ -517,8 +516,6 @@ def _git() -> dict[str, str]:
 def _example_rows(df: pd.DataFrame, columns: list[str], categorical: list[str], profile: dict) -> pd.DataFrame:
     """The model's input example: raw validation rows, numbers as float64, categories as strings (a
     gap in a categorical column shown as the column's most frequent value)."""
-    from flotilla.data import as_category
-    from flotilla.data._columns import as_numbers
 
     out = pd.DataFrame(index=df.index)
     for c in columns:

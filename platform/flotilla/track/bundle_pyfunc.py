@@ -19,6 +19,7 @@ from mlflow.pyfunc import PythonModel
 
 class BundleModel(PythonModel):
     def load_context(self, context) -> None:
+        # Function-local: MLflow imports this file to log the model; Flotilla loads when the model does.
         from flotilla.bundle import load_bundle
 
         self.bundle = load_bundle(context.artifacts["bundle"])
