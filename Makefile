@@ -12,8 +12,10 @@ PYTEST_ARGS    ?=
 # `make test` runs the suite in two lanes at once (pytest-xdist; tests/conftest.py assigns the
 # modules): on 2 cores it takes about 0.7 of one lane's time. TEST_LANES=0: one process, file order.
 TEST_LANES     ?= 2
+# `make docs-serve` listens here (Serve's endpoints take 8000).
+DOCS_ADDR      ?= 127.0.0.1:8001
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat cluster-local clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat cluster-local docs docs-serve clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -66,6 +68,12 @@ benchmark-chat: $(VENV)/.installed ## chat streams decoded together against a th
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py
+
+docs: $(VENV)/.installed ## build the documentation site into site/ (strict: broken links fail)
+	$(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed ## serve the documentation site on 127.0.0.1:8001 (DOCS_ADDR) while you edit docs/
+	$(PY) -m mkdocs serve --dev-addr $(DOCS_ADDR)
 
 clean: ## remove runs, the local MLflow store and caches
 	rm -rf runs mlruns mlflow.db .pytest_cache
