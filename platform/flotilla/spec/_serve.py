@@ -104,7 +104,7 @@ class ServeSpec(_Section):
         description="How HTTP reaches the replicas. `haproxy`: Ray Serve's HAProxy ingress: each replica answers HTTP "
         "itself on a port of its own and HAProxy (shipped with Ray) balances them on `serve.port`; 2.2-2.8x the "
         "requests/s of `proxy` on 2 cores. The whole Ray cluster must start with it (Flotilla does for a local "
-        "cluster it starts, with HAProxy's stats and metrics ports on 127.0.0.1 and a 3 s drain; see README). "
+        "cluster it starts, with HAProxy's stats and metrics ports on 127.0.0.1 and a 3 s drain; see docs/how-to/ingress.md). "
         "`proxy`: Ray Serve's Python proxy forwards each request to a replica. `auto`: `haproxy` on a local "
         "cluster Flotilla starts, else whichever the cluster runs.",
     )
