@@ -9,8 +9,8 @@ PIP    := $(VENV)/bin/pip
 TORCH_VERSION  := 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
-# `make test` runs the suite in two lanes at once (pytest-xdist; tests/conftest.py assigns the
-# modules): on 2 cores it takes about 0.7 of one lane's time. TEST_LANES=0: one process, file order.
+# `make test` runs the suite in two lanes at once (pytest-xdist's `--dist loadgroup`; tests/conftest.py
+# marks each module's lane): on 2 cores it takes about 0.7 of one lane's time. TEST_LANES=0: one process.
 TEST_LANES     ?= 2
 # `make docs-serve` listens here (Serve's endpoints take 8000).
 DOCS_ADDR      ?= 127.0.0.1:8001
@@ -34,7 +34,7 @@ demo: $(VENV)/.installed ## train the default model on a local Ray, register it,
 	$(VENV)/bin/flotilla deploy --config configs/digits.yaml --query
 
 test: $(VENV)/.installed test-services ## the whole suite in two lanes (TEST_LANES=0: one); PYTEST_ARGS passes options
-	$(PY) -m pytest -n $(TEST_LANES) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_LANES) --dist loadgroup $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.installed ## the unit tests only (no Ray, seconds)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -23,7 +23,7 @@ os.environ.setdefault(
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
-# `pytest -n 2` runs the suite in two lanes at once: it spends a third of its time
+# `pytest -n 2 --dist loadgroup` runs the suite in two lanes at once: it spends a third of its time
 # waiting (clusters starting, autoscalers, health checks, load for N seconds). One lane holds the
 # modules that use the session's trained models (`digits_champion`, ...) or Serve on the local Ray;
 # the other the modules that build clusters of their own (Serve there runs in other network
@@ -40,17 +40,10 @@ def lane(nodeid: str) -> str:
     return "session-ray" if on_session_ray else "own-clusters"
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Lanes(LoadScopeScheduling):
-        """pytest-xdist's scope scheduling with the two lanes as its only scopes: one per worker."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
-
-    return Lanes(config, log)
+def pytest_itemcollected(item):
+    """Each test joins its lane: pytest-xdist's `xdist_group` mark, read when collection ends;
+    `--dist loadgroup` gives each group to one worker, which runs it in the order below."""
+    item.add_marker(pytest.mark.xdist_group(lane(item.nodeid)))
 
 
 def pytest_collection_modifyitems(config, items):
