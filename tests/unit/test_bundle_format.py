@@ -26,7 +26,8 @@ def _load(name: str) -> dict:
 
 
 def _frame(record: dict) -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(record["values"][c], dtype=t) for c, t in zip(record["columns"], record["dtypes"])})
+    return pd.DataFrame({c: pd.Series(record["values"][c], dtype=t)
+                         for c, t in zip(record["columns"], record["dtypes"])})
 
 
 def _plain(value):
@@ -52,7 +53,8 @@ def _assert_close(got, expected, where: str) -> None:
         for i, (g, e) in enumerate(zip(got, expected)):
             _assert_close(g, e, f"{where}[{i}]")
     elif isinstance(expected, float) and not isinstance(got, bool):
-        assert isinstance(got, (int, float)) and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)), (where, got, expected)
+        assert isinstance(got, (int, float)), (where, got, expected)
+        assert abs(got - expected) <= 1e-6 * max(1.0, abs(expected)), (where, got, expected)
     else:
         assert got == expected and type(got) is type(expected), (where, got, expected)
 
@@ -143,7 +145,8 @@ def test_to_json_still_writes_the_v1_layout(name):
                          for p in (train.iloc[0::2], train.iloc[1::2])], columns)
     fitted = fit_columns(columns, stats, data, "table.csv")
     label = LabelEncoder(label_column=fit["label"])
-    label.stats_ = {f"unique_values({fit['label']})": {v: i for i, v in enumerate(sorted(stats["labels"], key=_sort_key))}}
+    classes = sorted(stats["labels"], key=_sort_key)
+    label.stats_ = {f"unique_values({fit['label']})": {v: i for i, v in enumerate(classes)}}
     written = json.loads(json.dumps({"features": [to_json(s) for s in fitted.steps], "label": to_json(label),
                                      "profile": fitted.profile}))
     expected = case["preprocessors"]
@@ -191,7 +194,8 @@ for path in sorted(Path({str(FIXTURES)!r}).glob("*.json")):
     case = json.loads(path.read_text())
     steps = [from_json(e) for e in case["preprocessors"]["features"]]
     record = case["input"]
-    df = pd.DataFrame({{c: pd.Series(record["values"][c], dtype=t) for c, t in zip(record["columns"], record["dtypes"])}})
+    df = pd.DataFrame({{c: pd.Series(record["values"][c], dtype=t)
+                       for c, t in zip(record["columns"], record["dtypes"])}})
     apply_all(steps, df)
     array_transform(steps, record["columns"])
     if case["preprocessors"]["label"]:

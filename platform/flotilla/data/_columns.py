@@ -276,6 +276,7 @@ class FittedColumns:
 
 def fit_columns(columns: list[Column], stats: dict[str, Any], data, description: str) -> FittedColumns:
     """Ray's preprocessors for `columns`, fitted from the merged statistics of the train split."""
+    # (imported here: a bundle's transforms are in this package too, and loading one needs no Ray)
     from ray.data.preprocessors import (Concatenator, HashingVectorizer, MinMaxScaler, OneHotEncoder, OrdinalEncoder,
                                         SimpleImputer, StandardScaler)
 
@@ -340,11 +341,11 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
                            "mean": None if s["n"] == 0 else s["mean"], "impute": c.impute, "fill_value": fill}
     names = [c.name for c in numeric]
     if names and data.scaling == "standard":
-        steps.append(_with_stats(StandardScaler(names), {k: v for n in names for k, v in
-                                                    ((f"mean({n})", moments[n][0]), (f"std({n})", moments[n][1]))}))
+        steps.append(_with_stats(StandardScaler(names), {
+            k: v for n in names for k, v in ((f"mean({n})", moments[n][0]), (f"std({n})", moments[n][1]))}))
     elif names and data.scaling == "minmax":
-        steps.append(_with_stats(MinMaxScaler(names), {k: v for n in names for k, v in
-                                                  ((f"min({n})", moments[n][2]), (f"max({n})", moments[n][3]))}))
+        steps.append(_with_stats(MinMaxScaler(names), {
+            k: v for n in names for k, v in ((f"min({n})", moments[n][2]), (f"max({n})", moments[n][3]))}))
 
     # categorical gaps, then the encodings
     width = len(numeric)
@@ -356,8 +357,8 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
     frequent = [c for c in categorical if c.impute == "most_frequent"]
     if frequent:
         steps.append(_with_stats(SimpleImputer([c.name for c in frequent], strategy="most_frequent"),
-                             {f"most_frequent({c.name})": _most_frequent(stats["columns"][c.name]["counts"])
-                              for c in frequent}))
+                                 {f"most_frequent({c.name})": _most_frequent(stats["columns"][c.name]["counts"])
+                                  for c in frequent}))
     values: dict[str, list[str]] = {}
     for c in categorical:
         s = stats["columns"][c.name]
@@ -378,7 +379,7 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
     ordinal = [c.name for c in categorical if encodings[c.name] == "ordinal"]
     if ordinal:
         steps.append(_with_stats(OrdinalEncoder(ordinal, encode_lists=False),
-                             {f"unique_values({n})": _index(values[n]) for n in ordinal}))
+                                 {f"unique_values({n})": _index(values[n]) for n in ordinal}))
         steps.append(SimpleImputer(ordinal, strategy="constant", fill_value=UNSEEN_ORDINAL))
         width += len(ordinal)
     hashed = [c.name for c in categorical if encodings[c.name] == "hash"]

@@ -164,7 +164,8 @@ def to_json(step) -> dict[str, Any]:
 def _check_default_tokenizer(fn) -> None:
     # Flotilla hashes with Ray's default tokenizer (split on spaces), which its own transform does;
     # any other function has no JSON form.
-    if getattr(fn, "__name__", None) != "simple_split_tokenizer" or not getattr(fn, "__module__", "").startswith("ray."):
+    name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", None) or ""
+    if name != "simple_split_tokenizer" or not module.startswith("ray."):
         raise TypeError("a HashingVectorizer with its own tokenization_fn has no JSON form")
 
 

@@ -370,8 +370,8 @@ class Concatenator(Transform):
             logger.warning(message)
         if self.flatten:
             stacked = np.column_stack([df[c].to_numpy() for c in self.columns])
-            rows = [np.concatenate([np.atleast_1d(cell) if self.dtype is None else np.atleast_1d(cell).astype(self.dtype)
-                                    for cell in row]) for row in stacked]
+            rows = [np.concatenate([np.atleast_1d(cell) if self.dtype is None
+                                    else np.atleast_1d(cell).astype(self.dtype) for cell in row]) for row in stacked]
         else:
             rows = list(np.column_stack([df[c].to_numpy(dtype=self.dtype) for c in self.columns]))
         out = df.drop(columns=self.columns)
