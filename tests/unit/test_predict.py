@@ -30,8 +30,7 @@ def _bundle_files(tmp_path) -> dict[str, bytes]:
     torch.manual_seed(0)
     model = build_model(spec, schema)
     label = LabelEncoder("y")
-    label._set_stats(stats={"unique_values(y)": {"no": 0, "yes": 1}})
-    label._fitted = True
+    label.stats_ = {"unique_values(y)": {"no": 0, "yes": 1}}
     directory = tmp_path / "bundle"
     write_bundle(directory, model.state_dict(), spec, schema,
                  {"features": [to_json(s) for s in fitted.steps], "label": to_json(label), "profile": fitted.profile},

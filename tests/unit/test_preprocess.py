@@ -24,7 +24,6 @@ def _fitted_steps(df: pd.DataFrame, scaling: str):
         steps[0].stats_ = {f"mean({c})": df[c].mean() for c in "ab"} | {f"std({c})": df[c].std(ddof=0) for c in "ab"}
     else:
         steps[0].stats_ = {f"min({c})": df[c].min() for c in "ab"} | {f"max({c})": df[c].max() for c in "ab"}
-    steps[0]._fitted = True
     return steps
 
 
@@ -48,16 +47,30 @@ def test_label_encoder_keeps_non_string_keys_through_json():
 
     enc = LabelEncoder(label_column="y")
     enc.stats_ = {"unique_values(y)": {3: 0, 7: 1, 9: 2}}
-    enc._fitted = True
     restored = from_json(json.loads(json.dumps(to_json(enc))))
-    assert restored.stats_ == enc.stats_
+    assert restored.stats == enc.stats_
     out = restored.transform_batch(pd.DataFrame({"y": [9, 3]}))
     assert out["y"].tolist() == [2, 0]
+    assert restored.classes == [3, 7, 9] and restored.decode([2, 0]) == [9, 3]
 
 
 def test_unknown_preprocessor_type_is_refused():
     with pytest.raises(BundleError, match="unknown preprocessor type 'Evil'"):
         from_json({"type": "Evil", "fields": {}})
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"type": "StandardScaler", "version": 2, "fields": {"columns": ["a"]}, "stats": {}}, "has version 2"),
+    ({"type": "StandardScaler", "version": 1, "fields": {"columns": ["a"], "evil": 1}, "stats": {}},
+     "unknown field"),
+    ({"type": "StandardScaler", "version": 1, "fields": {"columns": ["a"]}, "stats": {"mean(a)": 0.0}},
+     r"lacks the fitted statistic\(s\) std\(a\)"),
+    ({"type": "SimpleImputer", "version": 1, "fields": {"columns": ["a"], "strategy": "median"}, "stats": {}},
+     "cannot be rebuilt: Strategy median is not supported"),
+])
+def test_a_bundle_entry_that_cannot_be_applied_is_refused_when_loaded(entry, message):
+    with pytest.raises(BundleError, match=message):
+        from_json(entry)
 
 
 def test_byte_windows_cut_fixed_length_windows():

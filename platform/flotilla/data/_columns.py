@@ -27,17 +27,18 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from ray.data.preprocessor import Preprocessor
-from ray.data.preprocessors import (Concatenator, HashingVectorizer, MinMaxScaler, OneHotEncoder, OrdinalEncoder,
-                                    SimpleImputer, StandardScaler)
 
 from flotilla.data._schema import FEATURES
+from flotilla.data._transforms import Transform
 from flotilla.errors import DataError
+
+if TYPE_CHECKING:
+    from ray.data.preprocessor import Preprocessor
 
 MISSING = "missing"  # the category a missing categorical value becomes (by default)
 UNSEEN_ORDINAL = -1.0  # an ordinal column's value never seen in training
@@ -157,18 +158,18 @@ def numeric_matrix(df: pd.DataFrame, columns: list[str]) -> np.ndarray:
     return np.column_stack([as_numbers(df[c]).to_numpy() for c in columns])
 
 
-class CastColumns(Preprocessor):
+class CastColumns(Transform):
     """Raw feature values as the steps after it expect them: numeric columns float64, categorical
     columns strings (`as_category`); a gap stays a gap for the imputers."""
 
-    _is_fittable = False
+    FIELDS = ("numeric", "categorical")
 
     def __init__(self, numeric: list[str], categorical: list[str]):
-        super().__init__()
         self.numeric = list(numeric)
         self.categorical = list(categorical)
 
     def _transform_pandas(self, df: pd.DataFrame) -> pd.DataFrame:
+        df = df.copy(deep=False)
         for name in self.numeric:
             df[name] = as_numbers(df[name])
         for name in self.categorical:
@@ -267,7 +268,7 @@ def _median(sketch: list[tuple[float, float]]) -> float:
 # --------------------------------------------------------------------------- fitted steps
 @dataclass
 class FittedColumns:
-    steps: list[Preprocessor]
+    steps: list  # CastColumns, then Ray's fitted preprocessors
     num_features: int  # the width of the `features` vector
     categorical: list[str]
     profile: dict[str, dict[str, Any]]  # per column, for MLflow, the bundle and serving
@@ -275,6 +276,10 @@ class FittedColumns:
 
 def fit_columns(columns: list[Column], stats: dict[str, Any], data, description: str) -> FittedColumns:
     """Ray's preprocessors for `columns`, fitted from the merged statistics of the train split."""
+    # (imported here: a bundle's transforms are in this package too, and loading one needs no Ray)
+    from ray.data.preprocessors import (Concatenator, HashingVectorizer, MinMaxScaler, OneHotEncoder, OrdinalEncoder,
+                                        SimpleImputer, StandardScaler)
+
     rows = stats["rows"]
     numeric = [c for c in columns if c.kind == "numeric"]
     categorical = [c for c in columns if c.kind == "categorical"]
@@ -313,11 +318,11 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
     if problems:
         raise DataError("the data cannot be preprocessed as the spec says:\n  - " + "\n  - ".join(problems))
 
-    steps: list[Preprocessor] = [CastColumns([c.name for c in numeric], [c.name for c in categorical])]
+    steps: list = [CastColumns([c.name for c in numeric], [c.name for c in categorical])]
     # numeric gaps, then scaling of the filled columns
     by_mean = [c.name for c in numeric if c.impute == "mean"]
     if by_mean:
-        steps.append(_fitted(SimpleImputer(by_mean, strategy="mean"), {f"mean({n})": fills[n] for n in by_mean}))
+        steps.append(_with_stats(SimpleImputer(by_mean, strategy="mean"), {f"mean({n})": fills[n] for n in by_mean}))
     for c in numeric:
         if c.impute != "mean":  # median and constant: the value is known now; a constant imputer per column
             steps.append(SimpleImputer([c.name], strategy="constant", fill_value=fills[c.name]))
@@ -336,11 +341,11 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
                            "mean": None if s["n"] == 0 else s["mean"], "impute": c.impute, "fill_value": fill}
     names = [c.name for c in numeric]
     if names and data.scaling == "standard":
-        steps.append(_fitted(StandardScaler(names), {k: v for n in names for k, v in
-                                                    ((f"mean({n})", moments[n][0]), (f"std({n})", moments[n][1]))}))
+        steps.append(_with_stats(StandardScaler(names), {
+            k: v for n in names for k, v in ((f"mean({n})", moments[n][0]), (f"std({n})", moments[n][1]))}))
     elif names and data.scaling == "minmax":
-        steps.append(_fitted(MinMaxScaler(names), {k: v for n in names for k, v in
-                                                  ((f"min({n})", moments[n][2]), (f"max({n})", moments[n][3]))}))
+        steps.append(_with_stats(MinMaxScaler(names), {
+            k: v for n in names for k, v in ((f"min({n})", moments[n][2]), (f"max({n})", moments[n][3]))}))
 
     # categorical gaps, then the encodings
     width = len(numeric)
@@ -351,9 +356,9 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
                                        fill_value=fill))
     frequent = [c for c in categorical if c.impute == "most_frequent"]
     if frequent:
-        steps.append(_fitted(SimpleImputer([c.name for c in frequent], strategy="most_frequent"),
-                             {f"most_frequent({c.name})": _most_frequent(stats["columns"][c.name]["counts"])
-                              for c in frequent}))
+        steps.append(_with_stats(SimpleImputer([c.name for c in frequent], strategy="most_frequent"),
+                                 {f"most_frequent({c.name})": _most_frequent(stats["columns"][c.name]["counts"])
+                                  for c in frequent}))
     values: dict[str, list[str]] = {}
     for c in categorical:
         s = stats["columns"][c.name]
@@ -369,12 +374,12 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
             profile[c.name]["values"] = values[c.name]
     onehot = [c.name for c in categorical if encodings[c.name] == "onehot"]
     if onehot:
-        steps.append(_fitted(OneHotEncoder(onehot), {f"unique_values({n})": _index(values[n]) for n in onehot}))
+        steps.append(_with_stats(OneHotEncoder(onehot), {f"unique_values({n})": _index(values[n]) for n in onehot}))
         width += sum(len(values[n]) for n in onehot)
     ordinal = [c.name for c in categorical if encodings[c.name] == "ordinal"]
     if ordinal:
-        steps.append(_fitted(OrdinalEncoder(ordinal, encode_lists=False),
-                             {f"unique_values({n})": _index(values[n]) for n in ordinal}))
+        steps.append(_with_stats(OrdinalEncoder(ordinal, encode_lists=False),
+                                 {f"unique_values({n})": _index(values[n]) for n in ordinal}))
         steps.append(SimpleImputer(ordinal, strategy="constant", fill_value=UNSEEN_ORDINAL))
         width += len(ordinal)
     hashed = [c.name for c in categorical if encodings[c.name] == "hash"]
@@ -386,9 +391,10 @@ def fit_columns(columns: list[Column], stats: dict[str, Any], data, description:
     return FittedColumns(steps, width, [c.name for c in categorical], profile)
 
 
-def _fitted(step: Preprocessor, stats: dict[str, Any]) -> Preprocessor:
-    step._set_stats(stats=stats)
-    step._fitted = True
+def _with_stats(step: Preprocessor, stats: dict[str, Any]) -> Preprocessor:
+    """`step` fitted: the statistics its own `fit` would compute, set as its public `stats_` (Ray
+    takes a preprocessor with statistics as fitted)."""
+    step.stats_ = dict(stats)
     return step
 
 

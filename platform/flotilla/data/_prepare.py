@@ -13,7 +13,6 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import ray.data
 from ray.data.context import ShuffleStrategy
-from ray.data.preprocessors import LabelEncoder
 
 from flotilla.spec import GPTSpec, HFCausalLMSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
@@ -142,9 +141,10 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         label_step = None
         if task == "classification":
             values = sorted(stats["labels"], key=_sort_key)
+            from ray.data.preprocessors import LabelEncoder
+
             label_step = LabelEncoder(label_column=label)
-            label_step._set_stats(stats={f"unique_values({label})": {v: i for i, v in enumerate(values)}})
-            label_step._fitted = True
+            label_step.stats_ = {f"unique_values({label})": {v: i for i, v in enumerate(values)}}
             fields["classes"] = [_plain(v) for v in values]
             fields["num_classes"] = len(values)
         schema = DataSchema(**fields)

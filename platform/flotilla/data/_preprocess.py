@@ -1,13 +1,16 @@
-"""Declarative preprocessing with Ray Data's preprocessors, saved as JSON.
+"""Preprocessing steps and their JSON form in the inference bundle.
 
 Tabular rows: the steps `flotilla.data._columns` fits (gaps filled, numeric columns scaled,
 categorical ones encoded), then the feature columns are concatenated into one float32 `features`
-column (Ray's Concatenator). The label is encoded separately (Ray's LabelEncoder) because rows at
-inference time have none. Text: `ByteWindows` cuts UTF-8 bytes into fixed-length context windows.
+column. The label is encoded separately because rows at inference time have none. Text:
+`ByteWindows` cuts UTF-8 bytes into fixed-length context windows.
 
-Ray's own `Preprocessor.serialize()` is cloudpickle; the inference bundle must not unpickle
-anything, so `to_json` / `from_json` write each preprocessor's serializable fields and fitted
-stats as plain JSON and rebuild it from a fixed list of known classes.
+Training fits Ray Data's preprocessors and transforms its datasets with them. The bundle keeps
+each fitted step as plain JSON (`to_json`: its type, settings and fitted statistics, read from
+the preprocessor's public attributes), and loading a bundle rebuilds Flotilla's own transforms
+from it (`from_json`, `flotilla.data._transforms`): no pickle, and no Ray internals, so a Ray
+upgrade cannot make a registered model unloadable. The JSON layout is the one bundles have had
+from the start (`type`, `version`, `fields`, `stats`).
 """
 
 from __future__ import annotations
@@ -16,26 +19,24 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from ray.data.preprocessor import Preprocessor
-from ray.data.preprocessors import (Concatenator, HashingVectorizer, LabelEncoder, MinMaxScaler, OneHotEncoder,
-                                    OrdinalEncoder, SimpleImputer, StandardScaler)
 
+from flotilla.data import _transforms as own
+from flotilla.data._columns import CastColumns
 from flotilla.data._schema import FEATURES, TOKENS, VOCAB_SIZE  # noqa: F401 (named here too)
+from flotilla.data._transforms import Transform
 from flotilla.errors import BundleError
 
 
-
-class ByteWindows(Preprocessor):
+class ByteWindows(Transform):
     """Turn a text column into rows of `context + 1` byte ids, stride `context`.
 
     Documents in a batch are joined with a blank line before cutting, so short files still
     contribute; the remainder shorter than a window is dropped.
     """
 
-    _is_fittable = False
+    FIELDS = ("text_column", "context")
 
     def __init__(self, text_column: str, context: int):
-        super().__init__()
         self.text_column = text_column
         self.context = context
 
@@ -59,29 +60,29 @@ class ByteWindows(Preprocessor):
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def apply_all(steps: list[Preprocessor], df: pd.DataFrame) -> pd.DataFrame:
-    """Apply fitted preprocessors to a pandas batch, exactly as during training."""
+
+def apply_all(steps: list, df: pd.DataFrame) -> pd.DataFrame:
+    """Apply fitted steps to a pandas batch, in order: a bundle's (Flotilla's transforms), or the
+    Ray preprocessors training fitted (the same arithmetic; the tests compare the two)."""
     for step in steps:
         df = step.transform_batch(df)
     return df
 
 
 # ------------------------------------------------------------ serving fast path
-def array_transform(steps: list[Preprocessor], columns: list[str]):
+def array_transform(steps: list, columns: list[str]):
     """The fitted tabular steps as one vectorized function: float64 rows (in `columns` order, NaN
     for a gap) → the float32 `features` matrix, or None when a step has no array form (a
     categorical column's encoder: those rows go through `apply_all`).
 
-    Serving calls this per batch: Ray's `transform_batch` costs ~10-40 ms per call on 64
-    columns whatever the batch size (per-column pandas/Arrow work), more than the model. The
-    arithmetic is Ray's own, read from the same fitted stats — a gap filled with the imputer's
-    value, then mean/std (ddof 0) or min/max, a spread below Ray's epsilon treated as 1, a missing
-    stat giving NaN — and a unit test holds it equal to `transform_batch` on the same rows.
+    Serving calls this per batch: applying the steps one by one costs per-column pandas work on
+    every call whatever the batch size, more than the model. The arithmetic is the steps' own,
+    from the same fitted stats — a gap filled with the imputer's value, then mean/std (ddof 0) or
+    min/max, a spread below `MIN_SPREAD` treated as 1, a missing stat giving NaN — and a unit test
+    holds it equal to `transform_batch` on the same rows. `steps` may be Ray's fitted
+    preprocessors too (training's): they are read through their JSON form.
     """
-    from ray.data.preprocessors.scaler import _EPSILON
-
-    from flotilla.data._columns import CastColumns
-
+    steps = [as_transform(s) for s in steps]
     index = {c: i for i, c in enumerate(columns)}
     fill = np.full(len(columns), np.nan)
     shift = np.zeros(len(columns))
@@ -91,35 +92,26 @@ def array_transform(steps: list[Preprocessor], columns: list[str]):
         if isinstance(step, CastColumns):
             if step.categorical or any(c not in index for c in step.numeric):
                 return None
-        elif isinstance(step, SimpleImputer) and list(step.output_columns) == list(step.columns):
+        elif isinstance(step, own.SimpleImputer) and step.output_columns == step.columns:
             for col in step.columns:
-                value = step.fill_value if step.strategy == "constant" else step.stats_.get(f"{step.strategy}({col})")
+                value = step.value(col)
                 # A gap is filled before scaling, once; a fill that is not a number has no array form.
                 if col not in index or scaled[index[col]] or not np.isnan(fill[index[col]]) \
-                        or not isinstance(value, (int, float)) or isinstance(value, bool):
+                        or not own.is_number(value):
                     return None
                 fill[index[col]] = value
-        elif isinstance(step, (StandardScaler, MinMaxScaler)) and list(step.output_columns) == list(step.columns):
+        elif isinstance(step, (own.StandardScaler, own.MinMaxScaler)) and step.output_columns == step.columns:
             for col in step.columns:
-                if col not in index:
-                    return None
-                if isinstance(step, StandardScaler):
-                    lo, spread = step.stats_[f"mean({col})"], step.stats_[f"std({col})"]
-                else:
-                    lo, hi = step.stats_[f"min({col})"], step.stats_[f"max({col})"]
-                    spread = None if lo is None or hi is None else hi - lo
-                if lo is None or spread is None:
-                    lo, spread = np.nan, np.nan
-                elif spread < _EPSILON:
-                    spread = 1
                 # Steps on disjoint columns compose; the same column twice would not be one affine map.
-                if scaled[index[col]]:
+                if col not in index or scaled[index[col]]:
                     return None
+                fit = step.affine(col)
+                lo, spread = fit if fit is not None else (np.nan, np.nan)
                 shift[index[col]], scale[index[col]], scaled[index[col]] = lo, spread, True
         else:
             return None
     last = steps[-1] if steps else None
-    if not isinstance(last, Concatenator) or last.output_column_name != FEATURES or getattr(last, "flatten", False):
+    if not isinstance(last, own.Concatenator) or last.output_column_name != FEATURES or last.flatten:
         return None
     if any(c not in index for c in last.columns):
         return None
@@ -136,65 +128,79 @@ def array_transform(steps: list[Preprocessor], columns: list[str]):
 
 
 # -------------------------------------------------------------------- JSON form
-_KNOWN = {cls.__name__: cls for cls in (StandardScaler, MinMaxScaler, LabelEncoder, Concatenator, SimpleImputer,
-                                         OneHotEncoder, OrdinalEncoder, HashingVectorizer)}
+FORMAT_VERSION = 1  # of each entry's fields and stats; every bundle so far has 1
+
+# Per type, the settings the JSON holds, in the order it writes them; each is the public attribute
+# of that name on Ray's fitted preprocessor and an argument of Flotilla's transform of that type.
+_FIELDS = {name: cls.FIELDS for name, cls in own.KNOWN.items()}
 
 
-def to_json(step: Preprocessor) -> dict[str, Any]:
-    from flotilla.data._columns import CastColumns
-
+def to_json(step) -> dict[str, Any]:
+    """A fitted step as JSON: Flotilla's own (ByteWindows, CastColumns, the bundle's transforms) or
+    one of Ray's preprocessors that training fitted, read through its public attributes (its
+    settings, and `stats_`, what its fit computed)."""
     if isinstance(step, ByteWindows):
         return {"type": "ByteWindows", "fields": {"text_column": step.text_column, "context": step.context}}
     if isinstance(step, CastColumns):
         return {"type": "CastColumns", "fields": {"numeric": step.numeric, "categorical": step.categorical}}
     name = type(step).__name__
-    if name not in _KNOWN:
+    if name not in own.KNOWN:
         raise TypeError(f"preprocessor {name} has no JSON form")
-    return {
-        "type": name,
-        "version": step.get_version(),
-        "fields": _encode(_fields(step)),
-        "stats": _encode(dict(step._get_stats())),
-    }
+    if isinstance(step, Transform):  # one of Flotilla's, e.g. from a bundle
+        fields, stats = step.fields(), getattr(step, "stats", {})
+    else:
+        fields, stats = {k: getattr(step, k) for k in _FIELDS[name]}, step.stats_
+        if name == "HashingVectorizer":
+            _check_default_tokenizer(step.tokenization_fn)
+    return {"type": name, "version": FORMAT_VERSION, "fields": _encode(fields), "stats": _encode(dict(stats))}
 
 
-def _fields(step: Preprocessor) -> dict[str, Any]:
-    fields = step._get_serializable_fields()
-    if isinstance(step, HashingVectorizer):
-        # A function; Flotilla uses Ray's default (split on spaces), which `from_json` restores.
-        from ray.data.preprocessors.utils import simple_split_tokenizer
-
-        if fields.pop("tokenization_fn") is not simple_split_tokenizer:
-            raise TypeError("a HashingVectorizer with its own tokenization_fn has no JSON form")
-    return fields
+def _check_default_tokenizer(fn) -> None:
+    # Flotilla hashes with Ray's default tokenizer (split on spaces), which its own transform does;
+    # any other function has no JSON form.
+    name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", None) or ""
+    if name != "simple_split_tokenizer" or not module.startswith("ray."):
+        raise TypeError("a HashingVectorizer with its own tokenization_fn has no JSON form")
 
 
-def from_json(entry: dict[str, Any]) -> Preprocessor:
-    from flotilla.data._columns import CastColumns
-
+def from_json(entry: dict[str, Any]) -> Transform:
+    """A bundle's JSON entry as Flotilla's transform of that type; no Ray needed."""
     kind = entry.get("type")
     if kind == "ByteWindows":
         return ByteWindows(**entry["fields"])
     if kind == "CastColumns":
         return CastColumns(**entry["fields"])
-    if kind not in _KNOWN:
+    if kind not in own.KNOWN:
         raise BundleError(f"unknown preprocessor type {kind!r} in bundle; known: ByteWindows, CastColumns, "
-                          f"{', '.join(_KNOWN)}")
-    cls = _KNOWN[kind]
-    # The same steps Ray's own deserialize() takes, from JSON instead of cloudpickle.
-    from ray.data.preprocessors.utils import StatComputationPlan
-
-    step = cls.__new__(cls)
-    step._stat_computation_plan = StatComputationPlan()
-    fields = _decode(entry["fields"])
-    if cls is HashingVectorizer:
-        from ray.data.preprocessors.utils import simple_split_tokenizer
-
-        fields["tokenization_fn"] = simple_split_tokenizer
-    step._set_serializable_fields(fields=fields, version=entry.get("version", 1))
-    step._set_stats(stats=_decode(entry.get("stats", {})))
-    step._fitted = True
+                          f"{', '.join(own.KNOWN)}")
+    version = entry.get("version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise BundleError(f"preprocessor {kind} in bundle has version {version}; this Flotilla reads version "
+                          f"{FORMAT_VERSION}")
+    cls = own.KNOWN[kind]
+    fields = _decode(entry.get("fields", {}))
+    # Bundles written through Ray's own field lists also hold its bookkeeping (`_`-prefixed: whether
+    # it was fitted); the statistics say that here.
+    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    unknown = sorted(set(fields) - set(cls.FIELDS))
+    if unknown:
+        raise BundleError(f"preprocessor {kind} in bundle has unknown field(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(cls.FIELDS)}")
+    stats = _decode(entry.get("stats", {}))
+    try:
+        step = cls(**fields, stats=stats) if issubclass(cls, own.Fitted) else cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"preprocessor {kind} in bundle cannot be rebuilt: {e}") from None
+    if isinstance(step, own.Fitted):
+        lacking = [k for k in step.required_stats() if k not in step.stats]
+        if lacking:
+            raise BundleError(f"preprocessor {kind} in bundle lacks the fitted statistic(s) {', '.join(lacking)}")
     return step
+
+
+def as_transform(step) -> Transform:
+    """Flotilla's transform for `step`: itself, or a Ray preprocessor read through its JSON form."""
+    return step if isinstance(step, Transform) else from_json(to_json(step))
 
 
 def _encode(value: Any) -> Any:
