@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -163,8 +164,10 @@ def _says_nan(values: pd.Series) -> np.ndarray:
 
 # ------------------------------------------------------------------------------ the job
 def predict_table(model: str, source: str, output: str, *, id_columns: list[str] = (), tracking_uri: str | None = None,
-                  actors: int | None = None, batch_size: int = 4096, fmt: str = "auto") -> PredictOutcome:
-    """Score every row of `source` with `model`; see the module docstring."""
+                  actors: int | None = None, batch_size: int = 4096, fmt: str = "auto",
+                  progress_every_s: float = 10.0) -> PredictOutcome:
+    """Score every row of `source` with `model`; see the module docstring. Every `progress_every_s`
+    seconds a line says how many rows are done and when the rest will be (0: no such lines)."""
     import ray
     import ray.data
 
@@ -196,8 +199,11 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
                                "output": output},
         compute=ray.data.ActorPoolStrategy(size=size),  # all at once: each takes seconds to load torch
     )
-    scored.write_parquet(f"{output.rstrip('/')}/{PREDICTIONS}" if "://" in output else f"{root}/{PREDICTIONS}",
-                         filesystem=None if "://" in output else fs)
+    total = pads.dataset(found.paths, filesystem=found.filesystem, format=found.format).count_rows() \
+        if found.format == "parquet" else None  # from the files' metadata; other formats would need a read
+    with ScoringProgress(fs, root, total, every_s=progress_every_s):
+        scored.write_parquet(f"{output.rstrip('/')}/{PREDICTIONS}" if "://" in output else f"{root}/{PREDICTIONS}",
+                             filesystem=None if "://" in output else fs)
     outcome = PredictOutcome(model, origin.version, output, _rows(fs, f"{root}/{PREDICTIONS}"),
                              _rows(fs, f"{root}/{REJECTED}"), time.monotonic() - started)
     if origin.client is not None:
@@ -226,10 +232,55 @@ def _read(found, columns: list[str], blocks: int):
 
 
 def _rows(fs: pafs.FileSystem, directory: str) -> int:
+    """The rows of the Parquet files in `directory` (0 when there is none); a file still being
+    written, whose footer is not there yet, counts 0."""
     if fs.get_file_info(directory).type == pafs.FileType.NotFound:
         return 0
     files = [i.path for i in fs.get_file_info(pafs.FileSelector(directory)) if i.path.endswith(".parquet")]
-    return sum(pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows for f in files)
+    rows = 0
+    for f in files:
+        try:
+            rows += pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows
+        except (OSError, pa.ArrowInvalid):
+            pass
+    return rows
+
+
+class ScoringProgress:
+    """While a scoring job writes, a line every `every_s` seconds: the rows scored and rejected so
+    far (read from the files written), the rate, and, with the input's row count known, the share
+    done and the time left."""
+
+    def __init__(self, fs: pafs.FileSystem, root: str, total: int | None, every_s: float = 10.0):
+        self.fs, self.root, self.total, self.every_s = fs, root, total, every_s
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scoring-progress", daemon=True)
+
+    def line(self) -> str:
+        done = _rows(self.fs, f"{self.root}/{PREDICTIONS}") + _rows(self.fs, f"{self.root}/{REJECTED}")
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = done / elapsed
+        text = f"scored {done}" + (f" of {self.total} rows ({done / self.total:.0%})" if self.total else " rows")
+        text += f", {rate:.0f} rows/s"
+        if self.total and rate > 0 and done < self.total:
+            left = round((self.total - done) / rate)
+            text += f", ETA {left // 60}m{left % 60:02d}s" if left >= 60 else f", ETA {left}s"
+        return text
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            print(self.line(), flush=True)
+
+    def __enter__(self) -> "ScoringProgress":
+        if self.every_s > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _bundle_dir(files: dict[str, bytes], prefix: str):

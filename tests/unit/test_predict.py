@@ -64,3 +64,21 @@ def test_a_model_reference_is_a_name_and_alias_a_name_and_version_or_a_bundle(tm
     assert resolve_model(str(tmp_path / "bundle"))[0] == files
     with pytest.raises(SpecError, match=r"give NAME@ALIAS \(digits@champion\), NAME/VERSION"):
         resolve_model("digits")
+
+
+def test_scoring_progress_counts_the_rows_written_and_says_when_the_rest_will_be(tmp_path):
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from flotilla.predict import PREDICTIONS, REJECTED, ScoringProgress
+
+    (tmp_path / PREDICTIONS).mkdir()
+    pq.write_table(pa.table({"prediction": list(range(300))}), tmp_path / PREDICTIONS / "a.parquet")
+    pq.write_table(pa.table({"prediction": list(range(100))}), tmp_path / PREDICTIONS / "b.parquet")
+    (tmp_path / PREDICTIONS / "c.parquet").write_bytes(b"PAR1 half written")  # no footer yet: counts 0
+    (tmp_path / REJECTED).mkdir()
+    pq.write_table(pa.table({"reason": ["x"] * 100}), tmp_path / REJECTED / "r.parquet")
+    progress = ScoringProgress(pafs.LocalFileSystem(), str(tmp_path), total=1000, every_s=0)
+    line = progress.line()
+    assert line.startswith("scored 500 of 1000 rows (50%), ") and " rows/s, ETA " in line, line
+    assert ScoringProgress(pafs.LocalFileSystem(), str(tmp_path), total=None).line().startswith("scored 500 rows, ")

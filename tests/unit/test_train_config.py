@@ -86,3 +86,13 @@ def test_a_training_worker_and_the_train_controllers_relay_do_not_load_mlflow():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "MlflowClient"]
+
+
+def test_the_epoch_line_says_how_long_the_remaining_epochs_take_at_this_pace():
+    from flotilla.train import format_epoch
+
+    m = {"epoch": 3, "global_step": 69, "train_loss": 0.18, "val_loss": 0.16, "val_accuracy": 0.95,
+         "samples_per_s": 2600.0, "precision": "fp32", "zero_stage": 2, "world_size": 2, "epoch_time_s": 65.0}
+    line = format_epoch("digits-1", m, epochs=12)
+    assert line.startswith("[digits-1] epoch 3/12  step 69") and line.endswith("ETA 9m45s"), line
+    assert "ETA" not in format_epoch("digits-1", {**m, "epoch": 12}, epochs=12)  # the last epoch: done

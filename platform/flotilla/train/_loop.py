@@ -372,7 +372,19 @@ def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
     if "tokens_per_s" in m:
         parts += [f"{m['tokens_per_s']:.0f} tokens/s", f"MFU {m['mfu']:.1%}"]
     parts.append(f"({m['precision']}, ZeRO-{m['zero_stage']}, {m['world_size']} workers, {m['epoch_time_s']:.1f}s)")
+    if m["epoch"] < epochs:  # the epochs left at this epoch's pace
+        parts.append(f"ETA {_clock((epochs - m['epoch']) * m['epoch_time_s'])}")
     return "  ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: a duration a person reads at a glance."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class _Progress:
@@ -393,7 +405,7 @@ class _Progress:
         elapsed = now - self.started
         eta = elapsed / self.done * max(self.total - self.done, 0)
         say(f"{self.label}  batch {self.done}/{self.total}  loss {loss:.4f}  {self.samples / elapsed:.0f} samples/s  "
-            f"ETA {eta:.0f}s")
+            f"ETA {_clock(eta)} (this epoch)")
 
 
 def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
