@@ -92,3 +92,12 @@ def test_docs_spec_reference_matches_the_code():
     assert page == spec_reference_markdown() + "\n", "regenerate with: flotilla config > docs/spec-reference.md"
     for section in ("**data**", "**train**", "**track.gate**", "**tune**", "**serve.batching**", "**cost**"):
         assert section in page
+
+
+def test_shipped_files_name_the_tracking_store_where_it_is():
+    """The default store is ./mlflow.db (MLflow's own default); `mlruns/mlflow.db` was an old location."""
+    root = Path(__file__).parents[2]
+    for path in [*CONFIGS, root / "serve_apps" / "config.yaml"]:
+        assert "mlruns/mlflow.db" not in path.read_text(), f"{path} names the old store mlruns/mlflow.db"
+    assert "./mlflow.db" in (root / "configs" / "digits.yaml").read_text()
+    assert "sqlite:///mlflow.db" in (root / "serve_apps" / "config.yaml").read_text()
