@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `flotilla COMMAND --help` for a command's examples.\n\n" + EXIT_CODES_TEXT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from flotilla import __version__
+
+    parser.add_argument("--version", action="version", version=f"flotilla {__version__}")
     parser.set_defaults(command=None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
@@ -179,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ arguments
 def _spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="SPEC.yaml",
+    p.add_argument("-c", "--config", metavar="SPEC.yaml",
                    help="run spec YAML (default: the built-in defaults, which `flotilla validate` prints)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field, the value parsed as YAML, e.g. --set train.lr=3e-4 (repeatable)")
@@ -216,7 +219,7 @@ def _deploy_apps_args(p: argparse.ArgumentParser) -> None:
 
 def _promote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="registered model name (default: the spec's track.model_name or name)")
-    p.add_argument("--config", metavar="SPEC.yaml", help="run spec whose track section names the model and the store")
+    p.add_argument("-c", "--config", metavar="SPEC.yaml", help="run spec whose track section names the model and the store")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (overrides the spec)")
     action = p.add_mutually_exclusive_group(required=True)
     action.add_argument("--version", help="version to point the alias at")

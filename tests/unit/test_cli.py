@@ -122,3 +122,34 @@ def test_train_and_sweep_end_with_where_the_run_is_and_what_was_registered(capsy
         "registered digits v2 (candidate); gate failed: val_accuracy 0.90 >= 0.95 no",
         "MLflow parent run def456 at http://127.0.0.1:5000",
     ]
+
+
+def _subparsers():
+    from flotilla.cli import build_parser
+
+    parser = build_parser()
+    [action] = [a for a in parser._actions if a.dest == "==SUPPRESS==" and getattr(a, "choices", None)]
+    return action.choices
+
+
+def test_version_prints_the_package_version(capsys):
+    import flotilla
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flotilla {flotilla.__version__}"
+
+
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_c_is_short_for_config_wherever_there_is_one(command):
+    actions = _subparsers()[command]._option_string_actions
+    if "--config" in actions:
+        assert actions["-c"] is actions["--config"]
+    else:
+        assert "-c" not in actions
+
+
+def test_c_loads_the_spec_like_config(capsys):
+    assert main(["validate", "-c", str(ROOT / "configs" / "digits.yaml")]) == 0
+    assert "name: digits" in capsys.readouterr().out
