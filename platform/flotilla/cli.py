@@ -22,6 +22,9 @@ from flotilla.redact import redact, redact_output
 
 EXIT_CODES_TEXT = "exit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in EXIT_CODES.items())
 
+# The subcommands that run a spec: without --config they stop (there is no built-in spec to run).
+SPEC_REQUIRED = {"train": "digits.yaml", "sweep": "digits_sweep.yaml", "deploy": "digits.yaml", "validate": "digits.yaml"}
+
 # Each subcommand: (one-line summary, examples shown by --help).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": (
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in SPEC_REQUIRED and args.config is None:
+        args.parser.error(_no_spec_message(args.command))  # exits 2, after the command's usage line
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per epoch is the log
     redact_output()  # no password in a URI is printed in full, whoever prints it
     try:
@@ -176,14 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=summary, epilog=examples + "\n\n" + EXIT_CODES_TEXT,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(p)
-        p.set_defaults(command=name, run=runners[name])
+        p.set_defaults(command=name, run=runners[name], parser=p)
     return parser
 
 
 # ------------------------------------------------------------------ arguments
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", metavar="SPEC.yaml",
-                   help="run spec YAML (default: the built-in defaults, which `flotilla validate` prints)")
+                   help="run spec YAML (required; the shipped ones are in configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field, the value parsed as YAML, e.g. --set train.lr=3e-4 (repeatable)")
 
@@ -292,8 +297,8 @@ def _sweep(args) -> int:
     from flotilla.tune import run_sweep
 
     if spec.tune is None:
-        raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune)"],
-                        args.config or "built-in default spec")
+        raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune, "
+                         "and configs/digits_sweep.yaml)"], args.config)
     outcome = run_sweep(spec)
     print(outcome.table())
     if outcome.best is None:
@@ -397,7 +402,7 @@ def _validate(args) -> int:
     from flotilla.spec import spec_to_yaml
 
     spec = _load(args)
-    print(f"# {args.config or 'built-in default spec'}: well-formed; resolved with every default:")
+    print(f"# {args.config}: well-formed; resolved with every default:")
     print(spec_to_yaml(spec), end="")
     return 0
 
@@ -410,6 +415,13 @@ def _config(args) -> int:
 
 
 # ------------------------------------------------------------------- helpers
+def _no_spec_message(command: str) -> str:
+    """What to pass instead of nothing: a spec from configs/."""
+    from flotilla.spec import shipped_specs
+
+    return f"no run spec given: pass --config configs/{SPEC_REQUIRED[command]} ({shipped_specs()})"
+
+
 def _browse_hint(uri: str | None) -> str:
     """How to look at a SQLite store: `mlflow ui` in its directory when it is MLflow's default."""
     if not uri or not uri.startswith("sqlite:///"):

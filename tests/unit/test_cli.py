@@ -74,7 +74,7 @@ def test_validate_prints_the_resolved_spec(capsys):
 
 
 def test_bad_spec_exits_2_naming_the_field_as_typed(capsys):
-    assert main(["validate", "--set", "model.kind=gpt", "--set", "data.source=pycode", "--set", "model.heads=3"]) == 2
+    assert main(["validate", "-c", str(ROOT / "configs" / "pycode_gpt.yaml"), "--set", "model.heads=3"]) == 2
     err = capsys.readouterr().err
     assert "`model.heads` (3) must divide `model.width` (128); try `--set model.heads=4`" in err
     assert "--model." not in err
@@ -89,9 +89,9 @@ def test_config_prints_the_reference_and_the_json_schema(capsys):
 
 
 def test_resume_without_an_earlier_run_says_so(tmp_path, capsys):
-    code = main(["train", "--set", f"train.storage_path={tmp_path}", "--resume"])
+    code = main(["train", "-c", str(ROOT / "configs" / "digits.yaml"), "--set", f"train.storage_path={tmp_path}", "--resume"])
     assert code == 2
-    assert f"no run of 'run' under train.storage_path='{tmp_path}'" in capsys.readouterr().err
+    assert f"no run of 'digits' under train.storage_path='{tmp_path}'" in capsys.readouterr().err
 
 
 def test_resume_picks_the_latest_run_of_this_spec(tmp_path):
@@ -153,3 +153,29 @@ def test_c_is_short_for_config_wherever_there_is_one(command):
 def test_c_loads_the_spec_like_config(capsys):
     assert main(["validate", "-c", str(ROOT / "configs" / "digits.yaml")]) == 0
     assert "name: digits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "deploy", "validate"])
+def test_a_command_that_runs_a_spec_needs_one(command, capsys, monkeypatch):
+    """No built-in default run: without --config the command stops, naming configs/."""
+    import flotilla.cli
+
+    monkeypatch.chdir(ROOT)
+    for runner in ("_train", "_sweep", "_deploy", "_validate"):  # never start a run here, whatever happens
+        monkeypatch.setattr(flotilla.cli, runner, lambda args: pytest.fail(f"{args.command} ran without a spec"))
+    with pytest.raises(SystemExit) as done:
+        main([command, "--set", "train.epochs=1"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: flotilla {command}" in err
+    assert "no run spec given: pass --config configs/" in err and "see configs/: digits.yaml" in err
+
+
+def test_an_empty_spec_file_is_an_error_naming_configs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the message names the checkout's
+    for text in ("", "# nothing yet\n", "{}\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        assert main(["validate", "-c", str(empty)]) == 2
+        err = capsys.readouterr().err
+        assert "the file is empty" in err and "configs/digits.yaml" in err and f"{ROOT / 'configs'}/: digits.yaml" in err

@@ -31,9 +31,12 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
         if not p.is_file():
             raise SpecError([f"config file {str(p)!r} does not exist; specs there: {_nearby_specs(p)}"], source)
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise SpecError([f"not valid YAML: {e}"], source) from None
+        if raw is None or raw == {}:  # not a spec: running the built-in defaults instead would surprise
+            raise SpecError([f"the file is empty; a run spec names at least its data and model: start from one "
+                             f"in configs/, e.g. configs/digits.yaml ({shipped_specs()})"], source)
         if not isinstance(raw, dict):
             raise SpecError([f"the top level must be a mapping of sections, got {type(raw).__name__}"], source)
     problems = []
@@ -71,6 +74,16 @@ def spec_to_yaml(spec: RunSpec) -> str:
     from flotilla.redact import redact
 
     return redact(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+
+
+def shipped_specs() -> str:
+    """Where the example specs are, for messages: `configs/` here, else the checkout's."""
+    here = Path("configs")
+    folder = here if here.is_dir() else Path(__file__).resolve().parents[3] / "configs"
+    found = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    if not found:
+        return "see configs/ in the Flotilla checkout"
+    return f"see {'configs' if folder == here else folder}/: {', '.join(found)}"
 
 
 def _nearby_specs(missing: Path) -> str:
