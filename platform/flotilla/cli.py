@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
   flotilla train --config configs/digits.yaml --set train.zero_stage=3 --set model.hidden=[256,128]
   flotilla train --config configs/digits.yaml --resume                 # the latest run of this spec
   flotilla train --config configs/digits.yaml --resume digits-20261130-101500
+  flotilla train -c configs/digits.yaml --tracking-uri http://mlflow:5000   # overrides track.uri
   ray job submit --working-dir . -- python pipelines/train.py --config configs/digits.yaml
 
 With no Ray cluster running it starts a local one; under `ray job submit` (or with RAY_ADDRESS
@@ -56,6 +57,7 @@ interrupted sweep: finished trials are kept, unfinished ones resume from their c
   flotilla deploy --config configs/digits.yaml                   # champion, until Ctrl-C
   flotilla deploy --config configs/digits.yaml --query           # deploy, query once, exit
   flotilla deploy --config configs/digits.yaml --split champion=90,candidate=10
+  flotilla deploy --config configs/digits.yaml --model digits/3  # version 3, all traffic
   flotilla deploy --config configs/digits.yaml --promote         # candidate -> champion, in place
   flotilla deploy --config configs/digits.yaml --delete
 
@@ -66,8 +68,8 @@ With no cluster, a local one is started and lives as long as the command.""",
     "deploy-apps": (
         "Deploy a Ray Serve config file to a running cluster, this checkout as its apps' code.",
         """examples:
-  flotilla deploy-apps serve_apps/config.yaml --address http://HEAD:8265
-  flotilla deploy-apps my_apps.yaml                # RAY_DASHBOARD_ADDRESS, else http://127.0.0.1:8265
+  flotilla deploy-apps -c serve_apps/config.yaml --address http://HEAD:8265
+  flotilla deploy-apps -c my_apps.yaml             # RAY_DASHBOARD_ADDRESS, else http://127.0.0.1:8265
 
 Ray's `serve deploy` needs the apps' code on every node already (or at a remote URI in the file's
 runtime_env). This uploads the working directory and Flotilla's package to the cluster, as `ray
@@ -81,6 +83,7 @@ aliases anew: after `flotilla promote`, the same command serves the new champion
         """examples:
   flotilla promote --model digits --version 3                  # v3 becomes champion
   flotilla promote --model digits --version 4 --alias candidate
+  flotilla promote --model digits@candidate                    # the candidate version becomes champion
   flotilla promote --model digits --rollback                   # champion back to the one before
   flotilla promote --config configs/digits.yaml --rollback     # model name and store from a spec
 
@@ -93,6 +96,7 @@ sqlite:///mlflow.db in the working directory.""",
   flotilla predict --model digits@champion --input new_rows.parquet --output scored/
   flotilla predict --model tables/3 --input s3://bucket/rows/ --output s3://bucket/scored/ --id customer_id
   flotilla predict --model runs/digits-20261130-101500/bundle --input rows.csv --output scored/
+  flotilla predict --model models:/digits@champion --tracking-uri http://mlflow:5000 --input ... --output ...
   ray job submit --working-dir . -- python pipelines/predict.py --model digits@champion --input ... --output ...
 
 Writes OUTPUT/predictions/ (the id columns, `prediction`, and per class `probability_<class>`) and,
@@ -170,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(command=None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
-        "train": _train_args, "sweep": _spec_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
-        "promote": _promote_args, "predict": _predict_args, "export": _export_args, "validate": _spec_args,
+        "train": _train_args, "sweep": _sweep_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
+        "promote": _promote_args, "predict": _predict_args, "export": _export_args, "validate": _sweep_args,
         "config": _config_args,
     }
     runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "deploy-apps": _deploy_apps, "promote": _promote,
@@ -186,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ arguments
+# `--model` on every command: one syntax, parsed by flotilla.track.parse_model_reference.
+MODEL_FORMS = "NAME@ALIAS, NAME/VERSION, models:/NAME@ALIAS, models:/NAME/VERSION"
+
+
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", metavar="SPEC.yaml",
                    help="run spec YAML (required; the shipped ones are in configs/)")
@@ -193,8 +201,23 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="override a spec field, the value parsed as YAML, e.g. --set train.lr=3e-4 (repeatable)")
 
 
-def _train_args(p: argparse.ArgumentParser) -> None:
+def _tracking_uri_arg(p: argparse.ArgumentParser, help: str = "MLflow tracking URI (overrides the spec's track.uri)"):
+    p.add_argument("--tracking-uri", metavar="URI", help=help)
+
+
+def _model_arg(p: argparse.ArgumentParser, required: bool, help: str) -> None:
+    """`--model`: a registered model, with a bundle path where the command takes one (required) or a bare NAME."""
+    forms = f"{MODEL_FORMS} or a bundle directory" if required else f"NAME, {MODEL_FORMS}"
+    p.add_argument("--model", required=required, metavar="MODEL", help=f"{help}; one of {forms}")
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
     _spec_args(p)
+    _tracking_uri_arg(p)
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _sweep_args(p)
     p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
                    help="continue a run from its last checkpoint: RUN by name, or with no name the latest run "
                         "of this spec under train.storage_path")
@@ -202,8 +225,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 def _deploy_args(p: argparse.ArgumentParser) -> None:
     _spec_args(p)
-    p.add_argument("--model", help="registered model (default: serve.model, track.model_name, name)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the spec's track.uri)")
+    _model_arg(p, False, "registered model (default: serve.model, track.model_name, name); with an alias or a "
+                         "version, that one gets all traffic (as --split ALIAS=100)")
+    _tracking_uri_arg(p)
     p.add_argument("--split", metavar="TARGET=W,...",
                    help="traffic split by alias or version, e.g. champion=90,candidate=10 (sets serve.traffic)")
     action = p.add_mutually_exclusive_group()
@@ -214,7 +238,9 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
 
 
 def _deploy_apps_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("serve_config", metavar="CONFIG.yaml", help="a Ray Serve config file, e.g. serve_apps/config.yaml")
+    p.add_argument("-c", "--config", metavar="CONFIG.yaml", help="a Ray Serve config file, e.g. serve_apps/config.yaml")
+    p.add_argument("serve_config", nargs="?", metavar="CONFIG.yaml", help="the same file as a positional argument, "
+                   "as earlier versions took it")
     p.add_argument("--address", help="the cluster's dashboard (default: $RAY_DASHBOARD_ADDRESS, else "
                                      "http://127.0.0.1:8265)")
     p.add_argument("--working-dir", default=".", help="the apps' code and files (default: %(default)s)")
@@ -223,33 +249,32 @@ def _deploy_apps_args(p: argparse.ArgumentParser) -> None:
 
 
 def _promote_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="registered model name (default: the spec's track.model_name or name)")
+    _model_arg(p, False, "registered model (default: the spec's track.model_name or name); NAME/VERSION or "
+                         "NAME@ALIAS also names the version to promote, as --version does")
     p.add_argument("-c", "--config", metavar="SPEC.yaml", help="run spec whose track section names the model and the store")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (overrides the spec)")
-    action = p.add_mutually_exclusive_group(required=True)
+    _tracking_uri_arg(p)
+    action = p.add_mutually_exclusive_group()
     action.add_argument("--version", help="version to point the alias at")
     action.add_argument("--rollback", action="store_true", help="point champion back at the previous champion")
     p.add_argument("--alias", default="champion", help="alias to move with --version (default: %(default)s)")
 
 
 def _predict_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION|BUNDLE",
-                   help="a registered model by alias or version, or the path of a bundle (or run) directory")
+    _model_arg(p, True, "a registered model by alias or version, or the path of a bundle (or run) directory")
     p.add_argument("--input", required=True, metavar="PATH_OR_URI",
                    help="Parquet/CSV file, directory or glob: a local path or a pyarrow filesystem URI")
     p.add_argument("--output", required=True, metavar="DIR_OR_URI", help="a new directory for predictions/ and rejected/")
     p.add_argument("--id", dest="id_columns", action="append", default=[], metavar="COLUMN",
                    help="an input column to copy next to each prediction, e.g. a row id (repeatable)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI of the registry (for NAME@ALIAS and NAME/VERSION)")
+    _tracking_uri_arg(p, "MLflow tracking URI of the registry (for a registered model)")
     p.add_argument("--actors", type=int, metavar="N", help="scoring actors, one CPU each (default: the cluster's "
                                                            "CPUs but one)")
     p.add_argument("--batch-size", type=int, default=4096, metavar="ROWS", help="rows per batch (default: %(default)s)")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION|BUNDLE",
-                   help="a registered model by alias or version, or the path of a bundle (or run) directory")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI of the registry (for NAME@ALIAS and NAME/VERSION)")
+    _model_arg(p, True, "a registered model by alias or version, or the path of a bundle (or run) directory")
+    _tracking_uri_arg(p, "MLflow tracking URI of the registry (for a registered model)")
     _spec_args(p)
     p.set_defaults(config=None)
     p._option_string_actions["--config"].help = (
@@ -264,7 +289,19 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _load(args, extra: list[str] = ()):
     from flotilla.spec import load_spec
 
-    return load_spec(args.config, [*args.overrides, *extra])
+    spec = load_spec(args.config, [*args.overrides, *extra])
+    if getattr(args, "tracking_uri", None):
+        spec.track.uri = args.tracking_uri  # a URI as it is, not parsed as YAML like a --set value
+    return spec
+
+
+def _model_reference(args, name_alone: bool, paths: bool):
+    """`--model` parsed (None when not given): one syntax for every command."""
+    if args.model is None:
+        return None
+    from flotilla.track import parse_model_reference
+
+    return parse_model_reference(args.model, name_alone=name_alone, paths=paths, command=f"flotilla {args.command}")
 
 
 def _train(args) -> int:
@@ -320,19 +357,26 @@ def _print_tracking(what: str, run_id: str | None, tracking_uri: str | None, reg
 def _deploy(args) -> int:
     from flotilla.spec import traffic_override
 
+    ref = _model_reference(args, name_alone=True, paths=False)
     extra = [traffic_override(args.split)] if args.split else []
     if args.promote:
         extra.append("serve.traffic={champion: 100}")
+    if ref is not None and ref.target is not None:
+        if args.split or args.promote:
+            args.parser.error(f"--model {args.model} names the version to serve; with --split or --promote give "
+                              f"the model by name: --model {ref.name}")
+        extra.append(f"serve.traffic={{{ref.target!r}: 100}}")
+    model = ref.name if ref is not None else None
     spec = _load(args, extra)  # validated before Ray starts
     from flotilla.runtime import started_local_ray
     from flotilla.serve import delete_endpoint, deploy, plan_deployment, promote_candidate, query_endpoint
 
     if args.delete:
-        print(f"deleted the endpoint {delete_endpoint(spec, args.model)}")
+        print(f"deleted the endpoint {delete_endpoint(spec, model)}")
         return 0
     if args.promote:
-        print(promote_candidate(spec, args.model, args.tracking_uri).describe("promoted"))
-    plan = plan_deployment(spec, model=args.model, tracking_uri=args.tracking_uri)
+        print(promote_candidate(spec, model, args.tracking_uri).describe("promoted"))
+    plan = plan_deployment(spec, model=model, tracking_uri=args.tracking_uri)
     print(f"deploying {plan.describe()}")
     endpoint = deploy(plan)
     for note in endpoint.notes:
@@ -357,7 +401,12 @@ def _deploy(args) -> int:
 def _deploy_apps(args) -> int:
     from flotilla.serve import deploy_apps
 
-    urls = deploy_apps(args.serve_config, address=args.address, working_dir=args.working_dir, timeout_s=args.timeout)
+    if args.config and args.serve_config and args.config != args.serve_config:
+        args.parser.error(f"two Serve config files, {args.config} and {args.serve_config}: give one, with -c")
+    path = args.config or args.serve_config
+    if path is None:
+        args.parser.error("no Serve config file given: pass -c serve_apps/config.yaml (or your own)")
+    urls = deploy_apps(path, address=args.address, working_dir=args.working_dir, timeout_s=args.timeout)
     for name, url in urls.items():
         print(f"serving {name} at {url}")
     return 0
@@ -365,17 +414,25 @@ def _deploy_apps(args) -> int:
 
 def _promote(args) -> int:
     from flotilla.spec import load_spec
-    from flotilla.track import registry_client, rollback_champion, set_alias
+    from flotilla.track import registry_client, resolve_reference, rollback_champion, set_alias
 
+    ref = _model_reference(args, name_alone=True, paths=False)
+    if ref is not None and ref.target is not None and (args.version or args.rollback):
+        args.parser.error(f"--model {args.model} names the version already; drop --version/--rollback, or give "
+                          f"--model {ref.name}")
+    if ref is None or ref.target is None:
+        if not (args.version or args.rollback):
+            args.parser.error("name the version: --version N, --model NAME/VERSION or NAME@ALIAS, or --rollback")
     spec = load_spec(args.config) if args.config else None
-    name = args.model or (spec and (spec.track.model_name or spec.name))
+    name = ref.name if ref is not None else (spec and (spec.track.model_name or spec.name))
     if not name:
         raise SpecError(["name the model: --model NAME, or --config SPEC.yaml"], "flotilla promote")
     client = registry_client(args.tracking_uri or (spec.track.uri if spec else None))
     if args.rollback:
         print(rollback_champion(client, name).describe("rolled back"))
     else:
-        print(set_alias(client, name, args.alias, args.version).describe("promoted"))
+        version = args.version or resolve_reference(client, ref, "flotilla promote")[1]
+        print(set_alias(client, name, args.alias, version).describe("promoted"))
     return 0
 
 
@@ -444,6 +501,8 @@ def _print_resume_hint(args, code: int) -> None:
         words += ["--config", args.config]
     for item in args.overrides:
         words += ["--set", item]
+    if args.tracking_uri:
+        words += ["--tracking-uri", args.tracking_uri]
     words += ["--resume", run_name]
     print(f"resume with: {shlex.join(words)}", file=sys.stderr)
 

@@ -367,7 +367,10 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
 def _registered(reference: str, tracking_uri: str | None, tmp: Path):
     """(client, name, version, bundle dir, its path inside the model, the run's spec file) for
     NAME@ALIAS or NAME/VERSION, downloaded into `tmp`; None for a path."""
-    if Path(reference).expanduser().exists():
+    from flotilla.track._reference import parse_model_reference
+
+    ref = parse_model_reference(reference, command="flotilla export")
+    if ref.path is not None:
         return None
     from mlflow.artifacts import download_artifacts
     from mlflow.exceptions import MlflowException
@@ -377,7 +380,7 @@ def _registered(reference: str, tracking_uri: str | None, tmp: Path):
     from flotilla.track._registry import _bundle_dir
 
     client = registry_client(tracking_uri)
-    name, version = resolve_reference(client, reference, "flotilla export")
+    name, version = resolve_reference(client, ref, "flotilla export")
     try:
         found = client.get_model_version(name, version)
         location = client.get_model_version_download_uri(name, version)

@@ -59,12 +59,16 @@ class PredictOutcome:
 def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict[str, bytes], str | None, Any]:
     """The bundle's files for `reference` (NAME@ALIAS, NAME/VERSION, or a bundle or run directory),
     the registered version (None for a directory), and the MLflow client (None for a directory)."""
-    path = Path(reference).expanduser()
-    if path.is_dir():
+    from flotilla.track._reference import parse_model_reference
+
+    ref = parse_model_reference(reference, command="flotilla predict")
+    if ref.path is not None:
+        path = ref.path
         bundle = path / "bundle" if (path / "bundle" / "model.json").is_file() else path
         missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
         if missing:
-            raise DataError(f"--model {reference!r} is a directory but not a bundle (missing {', '.join(missing)}); "
+            what = "a directory but not a bundle" if path.is_dir() else "not a directory"
+            raise DataError(f"--model {reference!r} is {what} (missing {', '.join(missing)}); "
                             "give a run's bundle directory, NAME@ALIAS or NAME/VERSION")
         return {f: (bundle / f).read_bytes() for f in BUNDLE_FILES}, None, None
     import tempfile
@@ -75,7 +79,7 @@ def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict
     from flotilla.track._registry import _bundle_dir
 
     client = registry_client(tracking_uri)
-    name, version = resolve_reference(client, reference, "flotilla predict")
+    name, version = resolve_reference(client, ref, "flotilla predict")
     location = client.get_model_version_download_uri(name, version)
     with tempfile.TemporaryDirectory(prefix="flotilla-predict-") as tmp:
         model = Path(download_artifacts(artifact_uri=location, dst_path=tmp, tracking_uri=client.tracking_uri))
@@ -270,7 +274,9 @@ def _log_run(client, model: str, version: str, source: str, outcome: PredictOutc
 
     from flotilla.redact import redact
 
-    name = model.partition("@")[0].rpartition("/")[0] or model.partition("@")[0]
+    from flotilla.track._reference import parse_model_reference
+
+    name = parse_model_reference(model, paths=False).name
     trained = client.get_run(client.get_model_version(name, version).run_id)
     run = client.create_run(trained.info.experiment_id, run_name=f"predict-{name}-v{version}-{time.strftime('%Y%m%d-%H%M%S')}",
                             tags={"flotilla.kind": "batch_prediction", "flotilla.model": name,

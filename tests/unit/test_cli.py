@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.cli import SUBCOMMANDS, main
+from flotilla.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {"train": "pipelines/train.py", "deploy": "pipelines/deploy.py", "promote": "pipelines/promote.py",
@@ -179,3 +180,155 @@ def test_an_empty_spec_file_is_an_error_naming_configs(tmp_path, capsys, monkeyp
         assert main(["validate", "-c", str(empty)]) == 2
         err = capsys.readouterr().err
         assert "the file is empty" in err and "configs/digits.yaml" in err and f"{ROOT / 'configs'}/: digits.yaml" in err
+
+
+# ---------------------------------------------------------------- one model reference syntax
+@pytest.mark.parametrize("text, name, alias, version", [
+    ("digits@champion", "digits", "champion", None),
+    ("digits/3", "digits", None, "3"),
+    ("models:/digits@champion", "digits", "champion", None),
+    ("models:/digits/3", "digits", None, "3"),
+    ("team/digits/12", "team/digits", None, "12"),
+])
+def test_model_references_parse_one_way(text, name, alias, version):
+    from flotilla.track import parse_model_reference
+
+    ref = parse_model_reference(text)
+    assert (ref.name, ref.alias, ref.version, ref.path) == (name, alias, version, None)
+    assert ref.target == (alias or version) and ref.text == text
+
+
+def test_model_references_paths_names_and_mistakes(tmp_path):
+    from flotilla.track import parse_model_reference
+
+    (tmp_path / "digits").mkdir()
+    ref = parse_model_reference(str(tmp_path / "digits"))
+    assert ref.path == tmp_path / "digits" and ref.name is None  # an existing path is a bundle
+    assert parse_model_reference("digits", name_alone=True).name == "digits"  # deploy, promote
+    for bad, why in [("digits", "not a model reference"), ("models:/digits", "a models:/ URI names"),
+                     (str(tmp_path / "nope"), "no such file or directory"), ("@champion", "not a model reference")]:
+        with pytest.raises(SpecError, match=why) as err:
+            parse_model_reference(bad)
+        assert "NAME@ALIAS (digits@champion), NAME/VERSION (digits/3), models:/NAME@ALIAS" in str(err.value)
+    with pytest.raises(SpecError, match="models:/NAME/VERSION or NAME$"):
+        parse_model_reference("a b/c", name_alone=True, paths=False)
+
+
+def test_every_command_that_takes_a_model_or_touches_mlflow_says_so_alike():
+    commands = _subparsers()
+    for name in ("deploy", "promote", "predict", "export"):
+        assert "models:/NAME@ALIAS" in commands[name]._option_string_actions["--model"].help, name
+    for name in ("train", "sweep", "deploy", "promote", "predict", "export"):
+        assert "--tracking-uri" in commands[name]._option_string_actions, name
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real SQLite-backed registry with model `m` at versions 1..4, v2 aliased `candidate`."""
+    from mlflow import MlflowClient
+
+    from flotilla.track import check_tracking_uri
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    client.create_registered_model("m")
+    (tmp_path / "src").mkdir()
+    for _ in range(4):
+        client.create_model_version("m", source=str(tmp_path / "src"))
+    client.set_registered_model_alias("m", "candidate", "2")
+    return uri
+
+
+def test_promote_takes_the_version_in_the_model_reference(registry, capsys):
+    for model in ("m/3", "models:/m/4", "m@candidate", "models:/m@candidate"):
+        assert main(["promote", "--model", model, "--tracking-uri", registry]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "m@champion: unset -> v3 (promoted)", "m@champion: v3 -> v4 (promoted)", "m@champion: v4 -> v2 (promoted)",
+        "m@champion stays v2 (no change)"]
+    assert main(["promote", "--model", "m@nope", "--tracking-uri", registry]) == 2
+    assert "--model 'm@nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["promote", "--model", "m/3", "--version", "3", "--tracking-uri", registry])
+    assert done.value.code == 2 and "names the version already" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["promote", "--model", "m", "--tracking-uri", registry])  # which version?
+    assert "name the version: --version N, --model NAME/VERSION or NAME@ALIAS, or --rollback" in capsys.readouterr().err
+
+
+def test_registry_resolves_models_uris(registry):
+    from mlflow import MlflowClient
+
+    from flotilla.track import resolve_reference
+
+    client = MlflowClient(registry)
+    assert resolve_reference(client, "models:/m@candidate", "test") == ("m", "2")
+    assert resolve_reference(client, "models:/m/4", "test") == ("m", "4")
+    assert resolve_reference(client, "m@candidate", "test") == ("m", "2")
+
+
+class _Stop(Exception):
+    """Raised by a faked library entry, with what the command passed it."""
+
+
+def _fake_module(monkeypatch, module: str, **functions):
+    import types
+
+    fake = types.ModuleType(module)
+    for name, fn in functions.items():
+        setattr(fake, name, fn)
+    monkeypatch.setitem(sys.modules, module, fake)
+
+
+def _stop(*args, **kwargs):
+    raise _Stop(args, kwargs)
+
+
+def test_deploy_model_reference_names_the_version_to_serve(monkeypatch):
+    """`--model NAME/VERSION` or `NAME@ALIAS` on deploy: that one gets all traffic (no Ray: the library is faked)."""
+    _fake_module(monkeypatch, "flotilla.runtime", started_local_ray=lambda: False)
+    _fake_module(monkeypatch, "flotilla.serve", plan_deployment=_stop, deploy=_stop, delete_endpoint=_stop,
+                 promote_candidate=_stop, query_endpoint=_stop)
+    config = str(ROOT / "configs" / "digits.yaml")
+    for model, traffic in [("digits/3", {"3": 100}), ("models:/digits@candidate", {"candidate": 100}),
+                           ("digits", {"champion": 100})]:
+        with pytest.raises(_Stop) as stopped:
+            main(["deploy", "-c", config, "--model", model, "--tracking-uri", "sqlite:///elsewhere.db"])
+        (spec,), kwargs = stopped.value.args
+        assert kwargs == {"model": "digits", "tracking_uri": "sqlite:///elsewhere.db"}
+        assert spec.serve.traffic == traffic and spec.track.uri == "sqlite:///elsewhere.db"
+    with pytest.raises(SystemExit):
+        main(["deploy", "-c", config, "--model", "digits/3", "--split", "champion=90,candidate=10"])
+
+
+@pytest.mark.parametrize("command, module, entry", [("train", "flotilla.train", "run_training"),
+                                                    ("sweep", "flotilla.tune", "run_sweep")])
+def test_tracking_uri_overrides_the_spec_on_train_and_sweep(command, module, entry, monkeypatch):
+    _fake_module(monkeypatch, module, **{entry: _stop, "latest_run": _stop, "new_run_name": lambda spec: "r1"})
+    config = str(ROOT / "configs" / ("digits_sweep.yaml" if command == "sweep" else "digits.yaml"))
+    uri = "postgresql://u@db/mlflow#x"  # as it is: not parsed as YAML (`#` would start a comment there)
+    with pytest.raises(_Stop) as stopped:
+        main([command, "-c", config, "--set", "track.uri=sqlite:///spec.db", "--tracking-uri", uri])
+    (spec,), _ = stopped.value.args
+    assert spec.track.uri == uri
+
+
+def test_deploy_apps_takes_its_file_like_the_others(tmp_path, capsys):
+    missing = str(tmp_path / "missing.yaml")
+    for args in (["-c", missing], ["--config", missing], [missing]):
+        assert main(["deploy-apps", *args]) == 2
+        assert "missing.yaml: no such Serve config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["deploy-apps"])
+    assert done.value.code == 2 and "pass -c serve_apps/config.yaml" in capsys.readouterr().err
+
+
+def test_model_references_are_parsed_in_one_place():
+    """predict, export, the registry, serve and the CLI call flotilla.track.parse_model_reference; none splits on `@`."""
+    package = ROOT / "platform" / "flotilla"
+    for path in package.rglob("*.py"):
+        if path == package / "track" / "_reference.py":
+            continue
+        text = path.read_text()
+        for own_parser in ('partition("@")', "split(\"@\")", 'rsplit("/", 1)[1].isdigit()'):
+            assert own_parser not in text, f"{path.relative_to(ROOT)} parses a model reference itself ({own_parser})"

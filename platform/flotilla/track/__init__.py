@@ -9,6 +9,7 @@
 """
 
 from flotilla.track._gate import BundleEvaluator, GateDecision, check_rules, evaluate_bundles
+from flotilla.track._reference import ModelReference, parse_model_reference
 from flotilla.track._registry import (
     CANDIDATE,
     CHAMPION,
@@ -38,6 +39,7 @@ __all__ = [
     "BundleEvaluator",
     "EpochMetricsLogger",
     "GateDecision",
+    "ModelReference",
     "Registration",
     "Tracker",
     "alias_version",
@@ -51,6 +53,7 @@ __all__ = [
     "log_params",
     "log_resources",
     "open_tracker",
+    "parse_model_reference",
     "registry_client",
     "resolve_tracking_uri",
     "rollback_champion",
