@@ -126,7 +126,9 @@ with their speed measured here, from which serve.runtime=auto picks; a failed on
   flotilla validate --config configs/digits.yaml
   flotilla validate --config configs/digits.yaml --set train.zero_stage=3
 
-Prints every problem at once and exits 2 when the spec is not well-formed; Ray does not start.""",
+Prints every problem at once and exits 2 when the spec is not well-formed, or when a local path it
+names (data.source, model.pretrained) does not exist here; a remote one (s3://..., a hub id) is
+noted as not checked. Ray does not start.""",
     ),
     "config": (
         "Print the spec reference (Markdown) or the spec's JSON Schema.",
@@ -456,10 +458,15 @@ def _export(args) -> int:
 
 
 def _validate(args) -> int:
-    from flotilla.spec import spec_to_yaml
+    from flotilla.spec import check_local_paths, spec_to_yaml
 
     spec = _load(args)
+    problems, notes = check_local_paths(spec)  # what this machine can see, before Ray or torch is imported
+    if problems:
+        raise SpecError(problems, args.config)
     print(f"# {args.config}: well-formed; resolved with every default:")
+    for note in notes:
+        print(f"# not checked: {note}")
     print(spec_to_yaml(spec), end="")
     return 0
 

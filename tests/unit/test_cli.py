@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -332,3 +333,52 @@ def test_model_references_are_parsed_in_one_place():
         text = path.read_text()
         for own_parser in ('partition("@")', "split(\"@\")", 'rsplit("/", 1)[1].isdigit()'):
             assert own_parser not in text, f"{path.relative_to(ROOT)} parses a model reference itself ({own_parser})"
+
+
+# ---------------------------------------------------------------- validate checks what it can see
+def _validate_in_a_fresh_process(*args: str) -> subprocess.CompletedProcess:
+    """`flotilla validate ARGS` in a new interpreter; it prints whether Ray or torch got imported."""
+    code = ("import sys; from flotilla.cli import main; rc = main(sys.argv[1:]); "
+            "print('heavy imports:', sorted(m for m in ('ray', 'torch', 'pyarrow') if m in sys.modules), "
+            "file=sys.stderr); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, "validate", *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
+
+
+def test_validate_fails_fast_on_a_missing_local_data_source(tmp_path):
+    missing = tmp_path / "rows.csv"
+    proc = _validate_in_a_fresh_process("-c", "configs/digits.yaml", "--set", f"data.source={missing}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"`data.source`: '{missing}' does not exist" in proc.stderr
+    assert "heavy imports: []" in proc.stderr  # decided before Ray or torch is imported
+
+
+def test_validate_checks_local_paths_and_notes_remote_ones(tmp_path, capsys):
+    digits, lora = str(ROOT / "configs" / "digits.yaml"), str(ROOT / "configs" / "instruct_lora.yaml")
+    assert main(["validate", "-c", digits, "--set", f"data.source={tmp_path}/*.parquet"]) == 2
+    assert f"`data.source`: '{tmp_path}/*.parquet' matches no files" in capsys.readouterr().err
+    (tmp_path / "a.parquet").write_bytes(b"")
+    for source in (f"{tmp_path}/*.parquet", str(tmp_path), "digits"):  # a built-in name is no path
+        assert main(["validate", "-c", digits, "--set", f"data.source={source}"]) == 0
+        assert "not checked" not in capsys.readouterr().out
+    assert main(["validate", "-c", digits, "--set", "data.source=s3://bucket/rows/"]) == 0
+    assert "# not checked: `data.source` 's3://bucket/rows/' is remote" in capsys.readouterr().out
+
+    assert main(["validate", "-c", lora, "--set", f"model.pretrained={tmp_path}/nope"]) == 2
+    assert f"`model.pretrained`: '{tmp_path}/nope' does not exist" in capsys.readouterr().err
+    assert main(["validate", "-c", lora, "--set", f"model.pretrained={tmp_path}"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["validate", "-c", lora, "--set", f"model.pretrained={tmp_path}"]) == 0
+    assert main(["validate", "-c", lora, "--set", "model.pretrained=Qwen/Qwen2.5-0.5B"]) == 0
+    out = capsys.readouterr().out
+    assert "# not checked: `model.pretrained` 'Qwen/Qwen2.5-0.5B' is a Hugging Face hub id" in out
+    assert main(["validate", "-c", lora]) == 0  # tiny-llama and arith: built in
+
+
+def test_validate_knows_the_same_built_in_names_as_the_data_and_model_code():
+    from flotilla.data import BUILTIN_SOURCES
+    from flotilla.models._hf_tiny import BUILTIN_MODELS
+    from flotilla.spec import _local
+
+    assert _local.BUILTIN_SOURCES == BUILTIN_SOURCES and _local.BUILTIN_MODELS == BUILTIN_MODELS
