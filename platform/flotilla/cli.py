@@ -20,7 +20,10 @@ from typing import Callable
 from flotilla.errors import EXIT_CODES, FlotillaError, NotFiniteError, SpecError
 from flotilla.redact import redact, redact_output
 
-EXIT_CODES_TEXT = "exit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in EXIT_CODES.items())
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE
+EXIT_CODES_TEXT = "exit codes:\n" + "".join(
+    f"  {code:<4} {meaning}\n"
+    for code, meaning in {**EXIT_CODES, EXIT_PIPE_CLOSED: "the output's reader went away (`| head`); it stopped quietly"}.items())
 
 # The subcommands that run a spec: without --config they stop (there is no built-in spec to run).
 SPEC_REQUIRED = {"train": "digits.yaml", "sweep": "digits_sweep.yaml", "deploy": "digits.yaml", "validate": "digits.yaml"}
@@ -141,6 +144,20 @@ noted as not checked. Ray does not start.""",
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (see `flotilla --help`)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
+    except BrokenPipeError:
+        # The standard recipe: what is still buffered goes nowhere, and the command ends quietly with
+        # the code a process killed by SIGPIPE has (what `yes | head -1` leaves in PIPESTATUS).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -391,13 +408,34 @@ def _deploy(args) -> int:
             print("\n".join(lines[1:]), file=sys.stderr)
         return 0 if ok else 1
     if started_local_ray():
-        print("no Ray cluster was running, so this one lives as long as this command: Ctrl-C stops it")
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        _wait_until_stopped("no Ray cluster was running, so this one lives as long as this command: Ctrl-C "
+                            "(or SIGTERM) stops it")
     return 0
+
+
+def _wait_until_stopped(message: str) -> None:
+    """Block until Ctrl-C or SIGTERM, which end the same way: the endpoint and the local Ray go with
+    the process (Ray's own SIGTERM handler, installed by ray.init, would exit with 15 instead)."""
+    _stop_on_sigterm()
+    print(message, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (`kill`, `docker stop`, a service manager) raises KeyboardInterrupt, as Ctrl-C does."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _deploy_apps(args) -> int:

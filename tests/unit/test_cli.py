@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -382,3 +383,65 @@ def test_validate_knows_the_same_built_in_names_as_the_data_and_model_code():
     from flotilla.spec import _local
 
     assert _local.BUILTIN_SOURCES == BUILTIN_SOURCES and _local.BUILTIN_MODELS == BUILTIN_MODELS
+
+
+# ---------------------------------------------------------------- pipes and signals
+@pytest.mark.parametrize("args, code", [(["config"], 141), (["config", "--schema"], 141), (["train", "--help"], 0),
+                                        (["validate", "-c", "configs/digits.yaml"], 141)])
+def test_output_into_a_closed_pipe_ends_quietly(args, code):
+    """`flotilla config | head -1`: the reader is gone before the output is; no BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)  # a reader that went away: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flotilla.cli", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
+    finally:
+        os.close(write)
+    assert proc.returncode == code, proc.stderr  # 141: killed by SIGPIPE, as `yes | head` is; argparse's help: 0
+    assert proc.stderr == ""
+
+
+_DEPLOY_IN_THE_FOREGROUND = """
+import signal, sys, types
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs in a driver
+
+class Plan:
+    kind, model = "classifier", "digits"
+    def describe(self):
+        return "digits: v1 (champion) 100%"
+
+class Endpoint:
+    plan, url, notes = Plan(), "http://127.0.0.1:8000/v1/models/digits", []
+
+serve = types.ModuleType("flotilla.serve")
+serve.plan_deployment = lambda spec, model=None, tracking_uri=None: Plan()
+serve.deploy = lambda plan: Endpoint()
+serve.delete_endpoint = serve.promote_candidate = serve.query_endpoint = None
+runtime = types.ModuleType("flotilla.runtime")
+runtime.started_local_ray = lambda: True
+sys.modules.update({"flotilla.serve": serve, "flotilla.runtime": runtime})
+
+from flotilla.cli import main
+sys.exit(main(["deploy", "-c", "configs/digits.yaml"]))
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_a_foreground_deploy_stops_on_sigterm_as_on_ctrl_c(how):
+    """`flotilla deploy` with its own local Ray waits until stopped; SIGTERM ends it as Ctrl-C does (exit 0,
+    no traceback), not through Ray's handler (exit 15). The Serve and Ray side is faked: no Ray starts."""
+    proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_IN_THE_FOREGROUND], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
+    try:
+        lines = []
+        while not lines or "stops it" not in lines[-1]:
+            line = proc.stdout.readline()
+            assert line, f"ended before waiting: {lines} {proc.stderr.read()}"
+            lines.append(line)
+        proc.send_signal(how)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and err.strip().endswith("stopping")
