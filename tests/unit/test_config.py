@@ -92,3 +92,95 @@ def test_docs_spec_reference_matches_the_code():
     assert page == spec_reference_markdown() + "\n", "regenerate with: flotilla config > docs/spec-reference.md"
     for section in ("**data**", "**train**", "**track.gate**", "**tune**", "**serve.batching**", "**cost**"):
         assert section in page
+
+
+def test_shipped_files_name_the_tracking_store_where_it_is():
+    """The default store is ./mlflow.db (MLflow's own default); `mlruns/mlflow.db` was an old location."""
+    root = Path(__file__).parents[2]
+    for path in [*CONFIGS, root / "serve_apps" / "config.yaml"]:
+        assert "mlruns/mlflow.db" not in path.read_text(), f"{path} names the old store mlruns/mlflow.db"
+    assert "./mlflow.db" in (root / "configs" / "digits.yaml").read_text()
+    assert "sqlite:///mlflow.db" in (root / "serve_apps" / "config.yaml").read_text()
+
+
+DIGITS = Path(__file__).parents[2] / "configs" / "digits.yaml"
+SWEEP = Path(__file__).parents[2] / "configs" / "digits_sweep.yaml"
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.epochs=yes", "train.epochs"),          # YAML's `yes` is True, which pydantic took as 1
+    ("train.zero_stage=true", "train.zero_stage"),  # a Literal[0, 1, 2, 3] took it too
+    ("train.lr=on", "train.lr"),
+    ("model.hidden=[yes, 64]", "model.hidden"),
+    ("train.betas=[0.9, no]", "train.betas"),
+    ("serve.traffic={champion: yes}", "serve.traffic"),
+    ("data.columns={city: {fill_value: yes}}", "data.columns.city.fill_value"),
+])
+def test_a_boolean_is_never_a_number(override, field):
+    with pytest.raises(SpecError) as err:
+        load_spec(DIGITS, [override, "train.lr=-1" if field != "train.lr" else "train.seed=1"])
+    problems = err.value.problems
+    assert any(p.startswith(f"`{field}`: a number is needed, not a boolean (YAML reads yes/no") for p in problems), problems
+    if field != "train.lr":
+        assert "`train.lr`: Input should be greater than 0 (got -1)" in problems  # every problem at once
+    assert load_spec(DIGITS, ["track.enabled=no", "train.epochs=3"]).track.enabled is False  # booleans stay booleans
+
+
+def test_a_boolean_for_a_word_says_how_to_keep_the_word():
+    with pytest.raises(SpecError, match=r"`data.cache`: .*\(got False\); YAML reads yes/no, on/off, true/false as "
+                                        "booleans: quote such a word"):
+        load_spec(DIGITS, ["data.cache=no"])
+
+
+def test_set_overrides_one_search_space_entry():
+    spec = load_spec(SWEEP, ["tune.space.train.lr={loguniform: [1e-4, 1e-2]}", "tune.space.train.epochs.choice=[2, 3]"])
+    assert spec.tune.space == {
+        "train.lr": {"loguniform": [1e-4, 1e-2]},          # replaced
+        "model.hidden": {"choice": [[64], [128, 64]]},     # kept from the file
+        "train.batch_size": {"choice": [16, 32, 64]},
+        "train.epochs": {"choice": [2, 3]},                # added, its kind in the key
+    }
+    whole = load_spec(SWEEP, ["tune.space={train.lr: {uniform: [0.001, 0.01]}}"])
+    assert list(whole.tune.space) == ["train.lr"]  # the whole space still replaces the whole space
+
+
+def test_each_problem_of_a_sweep_spec_on_its_own_line():
+    with pytest.raises(SpecError) as err:
+        load_spec(SWEEP, ["tune.space={train.lr: {loguniform: [0, 1]}, train.epochs: {choice: []}, "
+                          "model.hidden: {grid: [[8]]}}", "tune.search=optuna"])
+    assert err.value.problems == [
+        "`tune.space.train.lr`: loguniform needs low > 0 (got [0, 1])",
+        "`tune.space.train.epochs`: choice needs a non-empty list (got [])",
+        "`grid` entries (model.hidden) need `--set tune.search=random` or `grid`, not optuna",
+    ]
+    with pytest.raises(SpecError) as err:
+        load_spec(SWEEP, ["tune.space={train.learning_rate: {choice: [0.1]}, model.hiden: {choice: [[8]]}, "
+                          "train.epochs: {choice: [yes]}}"])
+    problems = err.value.problems
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("`tune.space.train.learning_rate` = 0.1: `train.learning_rate`: unknown key; "
+                                  "did you mean `train.lr`?")
+    assert problems[1].startswith("`tune.space.model.hiden` = [8]: `model.hiden`: unknown key; did you mean `model.hidden`?")
+    assert problems[2].startswith("`tune.space.train.epochs` = True: `train.epochs`: a number is needed, not a boolean")
+
+
+def test_learning_rate_suggests_lr():
+    with pytest.raises(SpecError, match=r"`train.learning_rate`: unknown key; did you mean `train.lr`\?"):
+        load_spec(DIGITS, ["train.learning_rate=3e-4"])
+    with pytest.raises(SpecError, match=r"`model.n_heads`: unknown key; did you mean `model.heads`\?"):
+        load_spec(Path(__file__).parents[2] / "configs" / "pycode_gpt.yaml", ["model.n_heads=2"])
+
+
+def test_model_kinds_in_messages_come_from_the_code():
+    from typing import get_args
+
+    from flotilla.spec import ModelSpec
+
+    kinds = [m.model_fields["kind"].default for m in get_args(get_args(ModelSpec)[0])]
+    assert "hf_causal_lm" in kinds
+    with pytest.raises(SpecError) as err:
+        load_spec(DIGITS, ["model.kind=transformer"])
+    assert f"`model.kind`: 'transformer' is not a model kind; allowed: {', '.join(kinds)}" in err.value.problems
+    with pytest.raises(SpecError) as err:
+        validate_spec({"model": {"kind": None}})
+    assert f"allowed: {', '.join(kinds)}" in str(err.value)

@@ -6,7 +6,15 @@ Validation happens before Ray starts and reports every problem at once; each lin
 field as `--set` writes it (`model.heads`), the bad value and what is allowed.
 """
 
-from flotilla.spec._load import apply_override, load_spec, spec_to_yaml, traffic_override, validate_spec
+from flotilla.spec._local import check_local_paths
+from flotilla.spec._load import (
+    apply_override,
+    load_spec,
+    shipped_specs,
+    spec_to_yaml,
+    traffic_override,
+    validate_spec,
+)
 from flotilla.spec._trial import trial_spec
 from flotilla.spec._paths import set_path
 from flotilla.spec._reference import spec_json_schema, spec_reference_markdown
@@ -58,8 +66,10 @@ __all__ = [
     "TrainSpec",
     "TuneSpec",
     "apply_override",
+    "check_local_paths",
     "load_spec",
     "set_path",
+    "shipped_specs",
     "space_problems",
     "spec_json_schema",
     "spec_reference_markdown",

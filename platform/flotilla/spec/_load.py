@@ -16,8 +16,12 @@ from pydantic import ValidationError
 from flotilla.errors import SpecError
 from flotilla.redact import redact
 from flotilla.spec._messages import describe
+from flotilla.spec._numbers import boolean_problems
 from flotilla.spec._paths import set_path
 from flotilla.spec._sections import RunSpec
+from flotilla.spec._tune import SPACE_KINDS
+
+SPACE_PREFIX = "tune.space."
 
 
 def load_spec(path: str | Path | None = None, overrides: list[str] | None = None) -> RunSpec:
@@ -32,9 +36,12 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
         if not p.is_file():
             raise SpecError([f"config file {str(p)!r} does not exist; specs there: {_nearby_specs(p)}"], source)
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise SpecError([f"not valid YAML: {e}"], source) from None
+        if raw is None or raw == {}:  # not a spec: running the built-in defaults instead would surprise
+            raise SpecError([f"the file is empty; a run spec names at least its data and model: start from one "
+                             f"in configs/, e.g. configs/digits.yaml ({shipped_specs()})"], source)
         if not isinstance(raw, dict):
             raise SpecError([f"the top level must be a mapping of sections, got {type(raw).__name__}"], source)
     problems = []
@@ -49,10 +56,14 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
 
 
 def validate_spec(raw: dict[str, Any], source: str = "run spec") -> RunSpec:
+    problems = boolean_problems(raw, RunSpec)  # pydantic would take them as 1 and 0
     try:
-        return RunSpec.model_validate(raw)
+        spec = RunSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError([describe(err, RunSpec) for err in e.errors()], source) from None
+        problems += [line for err in e.errors() for line in describe(err, RunSpec).splitlines()]
+    if problems:
+        raise SpecError(problems, source)
+    return spec
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -64,13 +75,44 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         parsed = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
-    set_path(raw, key.strip(), parsed, f"override {item!r}")
+    set_path(raw, _override_path(key.strip(), parsed), parsed if not _space_kind(key) else {_space_kind(key): parsed},
+             f"override {item!r}")
+
+
+def _override_path(key: str, value: Any) -> list[str]:
+    """The keys `--set KEY=...` walks: `a.b.c`, except that a search-space entry is one key, a dotted
+    spec path (`tune.space.train.lr` is `tune` → `space` → `train.lr`), and its kind may follow it
+    (`tune.space.train.lr.loguniform=[1e-4, 1e-2]`)."""
+    if key.startswith(SPACE_PREFIX) and key != SPACE_PREFIX:
+        entry = key[len(SPACE_PREFIX):]
+        if _space_kind(key):
+            entry = entry.rpartition(".")[0]
+        return ["tune", "space", entry]
+    return key.split(".")
+
+
+def _space_kind(key: str) -> str | None:
+    """`loguniform` for `tune.space.train.lr.loguniform`: the override sets that entry to one kind."""
+    if not key.startswith(SPACE_PREFIX):
+        return None
+    head, _, last = key[len(SPACE_PREFIX):].rpartition(".")
+    return last if head and last in SPACE_KINDS else None
 
 
 def spec_to_yaml(spec: RunSpec) -> str:
     """The resolved spec as YAML, with passwords in URIs masked: it is printed and stored with the run."""
 
     return redact(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+
+
+def shipped_specs() -> str:
+    """Where the example specs are, for messages: `configs/` here, else the checkout's."""
+    here = Path("configs")
+    folder = here if here.is_dir() else Path(__file__).resolve().parents[3] / "configs"
+    found = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    if not found:
+        return "see configs/ in the Flotilla checkout"
+    return f"see {'configs' if folder == here else folder}/: {', '.join(found)}"
 
 
 def _nearby_specs(missing: Path) -> str:

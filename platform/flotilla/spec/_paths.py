@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def set_path(raw: dict[str, Any], dotted: str, value: Any, what: str = "") -> None:
-    """Set `raw["a"]["b"]["c"] = value` for `a.b.c`, creating sections as needed."""
+def set_path(raw: dict[str, Any], dotted: str | list[str], value: Any, what: str = "") -> None:
+    """Set `raw["a"]["b"]["c"] = value` for `a.b.c` (or the keys `["a", "b", "c"]`), creating sections as needed."""
     node = raw
-    parts = dotted.split(".")
+    parts = dotted.split(".") if isinstance(dotted, str) else dotted
+    dotted = ".".join(parts)
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):

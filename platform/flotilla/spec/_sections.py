@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 from flotilla.metrics import gate_metrics
 from flotilla.spec._base import _Section
 from flotilla.spec._messages import describe, divisor_near
+from flotilla.spec._numbers import boolean_problems
 from flotilla.spec._paths import set_path
 from flotilla.spec._serve import ServeSpec
 from flotilla.spec._tune import TuneSpec
@@ -440,10 +441,14 @@ class RunSpec(_Section):
                 raw = copy.deepcopy(base)
                 try:
                     set_path(raw, path, value)
+                    booleans = boolean_problems(raw, RunSpec)
+                    if booleans:
+                        raise ValueError("\n".join(booleans))
                     RunSpec.model_validate(raw)
                 except ValueError as e:
-                    errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e), "type": "x"}]
-                    problems += [f"`tune.space.{path}` = {value!r}: {describe(err, RunSpec)}" for err in errors]
+                    errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e), "type": "value_error"}]
+                    problems += [f"`tune.space.{path}` = {value!r}: {line}" for err in errors
+                                 for line in describe(err, RunSpec).splitlines()]
                     break
         return problems
 
@@ -459,7 +464,7 @@ class RunSpec(_Section):
         if self.tune is not None:
             problems = self._space_paths_problems()
             if problems:
-                raise ValueError("; ".join(problems))
+                raise ValueError("\n".join(problems))  # one line each
         if isinstance(self.model, (GPTSpec, HFCausalLMSpec)):
             lm = gate_metrics("lm")
             for rule in self.track.gate.require:

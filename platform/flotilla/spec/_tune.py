@@ -82,7 +82,7 @@ class TuneSpec(_Section):
             if continuous:
                 problems.append(f"`tune.search: grid` takes only choice/grid entries; {', '.join(continuous)} are ranges")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))  # one line each
         return self
 
 

@@ -9,6 +9,7 @@
 """
 
 from flotilla.track._gate import BundleEvaluator, GateDecision, check_rules, evaluate_bundles
+from flotilla.track._reference import ModelReference, parse_model_reference
 from flotilla.track._registry import (
     CANDIDATE,
     CHAMPION,
@@ -19,8 +20,8 @@ from flotilla.track._registry import (
     rollback_champion,
     set_alias,
 )
-from flotilla.track._fetch import (LocalBundle, bundle_in_model, download_model, is_registry_reference,
-                                   load_registered_bundle, local_bundle, model_file, registered_variants)
+from flotilla.track._fetch import (LocalBundle, bundle_in_model, download_model, load_registered_bundle, local_bundle,
+                                   model_file, registered_variants)
 from flotilla.track._run import (
     EpochMetricsLogger,
     Registration,
@@ -41,6 +42,7 @@ __all__ = [
     "EpochMetricsLogger",
     "GateDecision",
     "LocalBundle",
+    "ModelReference",
     "Registration",
     "STOP_TAG",
     "SWEEP_TAG",
@@ -55,7 +57,6 @@ __all__ = [
     "flatten",
     "bundle_in_model",
     "download_model",
-    "is_registry_reference",
     "load_registered_bundle",
     "local_bundle",
     "model_file",
@@ -64,6 +65,7 @@ __all__ = [
     "log_params",
     "log_resources",
     "open_tracker",
+    "parse_model_reference",
     "registry_client",
     "resolve_tracking_uri",
     "rollback_champion",

@@ -1,7 +1,7 @@
 """From a model reference to a bundle directory on this machine: the one way every command does it.
 
 A reference is a registered version (`NAME@ALIAS`, `NAME/VERSION`, MLflow's `models:/NAME@ALIAS`
-and `models:/NAME/VERSION`; `resolve_reference` reads them) or a bundle directory (a run's
+and `models:/NAME/VERSION`; `parse_model_reference` reads them) or a bundle directory (a run's
 directory holding `bundle/` will do). A registered version's model directory is downloaded whole,
 as MLflow's own loader fetches it (a subdirectory alone is not found as one through every
 artifact server, e.g. an MLflow server proxying a local store), and only the bundle inside it,
@@ -24,6 +24,7 @@ from mlflow.exceptions import MlflowException
 
 from flotilla.bundle import VARIANTS_DIR, VARIANTS_JSON, Bundle, find_bundle, load_bundle
 from flotilla.errors import BundleError, TrackingError
+from flotilla.track._reference import parse_model_reference
 from flotilla.track._registry import resolve_reference
 from flotilla.track._store import registry_client
 
@@ -44,19 +45,16 @@ class LocalBundle:
         return self.path.relative_to(self.model_dir.resolve()).as_posix() if self.model_dir else ""
 
 
-def is_registry_reference(reference: str) -> bool:
-    """Whether `reference` names a registered version rather than a directory on this machine."""
-    return reference.startswith("models:/") or not Path(reference).expanduser().exists()
-
-
 @contextlib.contextmanager
 def local_bundle(reference: str, tracking_uri: str | None = None, command: str = "--model") -> Iterator[LocalBundle]:
-    """The bundle `reference` names, as a local directory for the duration of the `with` block."""
-    if not is_registry_reference(reference):
-        yield LocalBundle(find_bundle(reference, "--model"))
+    """The bundle `reference` names (`parse_model_reference`), as a local directory for the duration
+    of the `with` block."""
+    ref = parse_model_reference(reference, command=command)
+    if ref.path is not None:
+        yield LocalBundle(find_bundle(ref.path, "--model"))
         return
     client = registry_client(tracking_uri)
-    name, version = resolve_reference(client, reference, command)
+    name, version = resolve_reference(client, ref, command)
     with tempfile.TemporaryDirectory(prefix="flotilla-bundle-") as tmp:
         model = download_model(client, name, version, Path(tmp))
         yield LocalBundle(bundle_in_model(model, f"{name} v{version}"), name, version, client, model)

@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from flotilla.errors import SpecError, TrackingError
+from flotilla.track._reference import ModelReference, parse_model_reference
 from flotilla.track._store import lost_insert_race, retry_lost_insert
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -33,23 +34,19 @@ class AliasChange:
         return f"{self.model}@{self.alias}: {was} -> v{self.after} ({verb})"
 
 
-def resolve_reference(client: MlflowClient, reference: str, command: str) -> tuple[str, str]:
-    """`--model NAME@ALIAS` or `NAME/VERSION` as (name, version), the version checked to exist."""
-    if "@" in reference:
-        name, _, alias = reference.partition("@")
-        version = None
-    elif "/" in reference and reference.rsplit("/", 1)[1].isdigit():
-        name, _, version = reference.rpartition("/")
-        alias = None
-    else:
-        raise SpecError([f"--model {reference!r}: give NAME@ALIAS (digits@champion), NAME/VERSION (digits/3) or the "
-                         "path of a bundle directory"], command)
+def resolve_reference(client: MlflowClient, reference: str | ModelReference, command: str) -> tuple[str, str]:
+    """`--model NAME@ALIAS` or `NAME/VERSION` (`models:/...` too) as (name, version), the version checked to exist."""
+    ref = parse_model_reference(reference, paths=False, command=command)
+    name, alias, version = ref.name, ref.alias, ref.version
+    if ref.target is None:
+        raise SpecError([f"--model {ref.text!r}: name the version, NAME@ALIAS (digits@champion) or NAME/VERSION "
+                         "(digits/3)"], command)
     try:
         if alias is not None:
             version = str(client.get_model_version_by_alias(name, alias).version)
         client.get_model_version(name, version)
     except MlflowException as e:
-        raise TrackingError(f"--model {reference!r}: {e.message} (store {client.tracking_uri})") from None
+        raise TrackingError(f"--model {ref.text!r}: {e.message} (store {client.tracking_uri})") from None
     return name, version
 
 
