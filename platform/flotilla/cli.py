@@ -421,8 +421,8 @@ def _wait_until_stopped(message: str) -> None:
     """Block until Ctrl-C or SIGTERM, which end the same way: the endpoint and the local Ray go with
     the process (Ray's own SIGTERM handler, installed by ray.init, would exit with 15 instead)."""
     _stop_on_sigterm()
-    print(message, flush=True)
-    try:
+    try:  # the message inside: a signal that comes as soon as it is read still ends here
+        print(message, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -92,7 +92,8 @@ def test_csv_source_trains_like_parquet(ray_cluster, tmp_path):
 
 def test_entry_script_reports_spec_errors_before_ray_starts():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "pipelines" / "train.py"), "--set", "trian.lr=1", "--set", "train.zero_stage=5"],
+        [sys.executable, str(ROOT / "pipelines" / "train.py"), "-c", "configs/digits.yaml", "--set", "trian.lr=1",
+         "--set", "train.zero_stage=5"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert proc.returncode == 2
@@ -116,7 +117,8 @@ def test_unreachable_tracking_server_fails_before_training(tmp_path):
     uri = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "pipelines" / "train.py"), "--set", f"track.uri={uri}",
+        [sys.executable, str(ROOT / "pipelines" / "train.py"), "-c", str(ROOT / "configs" / "digits.yaml"),
+         "--set", f"track.uri={uri}",
          "--set", f"train.storage_path={tmp_path / 'runs'}"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
