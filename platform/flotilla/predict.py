@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -37,7 +37,9 @@ from flotilla.data._columns import as_numbers, numeric_matrix
 from flotilla.errors import DataError
 from flotilla.redact import redact
 from flotilla.runtime import ensure_ray
-from flotilla.track import LocalBundle, local_bundle
+
+if TYPE_CHECKING:
+    from flotilla.track import LocalBundle
 
 PREDICTIONS, REJECTED = "predictions", "rejected"
 
@@ -64,6 +66,9 @@ class PredictOutcome:
 def resolve_model(reference: str, tracking_uri: str | None = None) -> tuple[dict[str, bytes], LocalBundle]:
     """The bundle's files for `reference` (NAME@ALIAS, NAME/VERSION, models:/..., or a bundle or run
     directory), and where they came from (the registered name, version and client; None for a directory)."""
+    # Function-local: the scoring actors unpickle this module, and MLflow (~1.5 CPU-s to import) stays out of them.
+    from flotilla.track import local_bundle
+
     with local_bundle(reference, tracking_uri, "flotilla predict") as found:
         return {f: (found.path / f).read_bytes() for f in BUNDLE_FILES}, found
 
