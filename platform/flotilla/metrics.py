@@ -77,3 +77,13 @@ def not_finite(metrics: dict) -> list[str]:
     """The names of the numeric metrics in `metrics` that are NaN or infinite."""
     return sorted(k for k, v in metrics.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v))
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: a duration a person reads at a glance."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -35,6 +35,7 @@ from flotilla.bundle import BUNDLE_FILES, load_bundle
 from flotilla.data import filesystem_for, resolve_source
 from flotilla.data._columns import as_numbers, numeric_matrix
 from flotilla.errors import DataError
+from flotilla.metrics import format_duration
 from flotilla.redact import redact
 from flotilla.runtime import ensure_ray
 
@@ -269,8 +270,7 @@ class ScoringProgress:
         text = f"scored {done}" + (f" of {self.total} rows ({done / self.total:.0%})" if self.total else " rows")
         text += f", {rate:.0f} rows/s"
         if self.total and rate > 0 and done < self.total:
-            left = round((self.total - done) / rate)
-            text += f", ETA {left // 60}m{left % 60:02d}s" if left >= 60 else f", ETA {left}s"
+            text += f", ETA {format_duration((self.total - done) / rate)}"
         return text
 
     def _run(self) -> None:

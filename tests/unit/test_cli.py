@@ -225,45 +225,34 @@ def test_every_command_that_takes_a_model_or_touches_mlflow_says_so_alike():
 
 
 @pytest.fixture
-def registry(tmp_path):
-    """A real SQLite-backed registry with model `m` at versions 1..4, v2 aliased `candidate`."""
-    from mlflow import MlflowClient
-
-    from flotilla.track import check_tracking_uri
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    check_tracking_uri(uri)
-    client = MlflowClient(uri)
-    client.create_registered_model("m")
-    (tmp_path / "src").mkdir()
-    for _ in range(4):
-        client.create_model_version("m", source=str(tmp_path / "src"))
-    client.set_registered_model_alias("m", "candidate", "2")
-    return uri
+def registry_uri(registry):
+    """The unit tests' registry (`m` v1..4), v2 aliased `candidate`: its tracking URI."""
+    registry.set_registered_model_alias("m", "candidate", "2")
+    return registry.tracking_uri
 
 
-def test_promote_takes_the_version_in_the_model_reference(registry, capsys):
+def test_promote_takes_the_version_in_the_model_reference(registry_uri, capsys):
     for model in ("m/3", "models:/m/4", "m@candidate", "models:/m@candidate"):
-        assert main(["promote", "--model", model, "--tracking-uri", registry]) == 0
+        assert main(["promote", "--model", model, "--tracking-uri", registry_uri]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "m@champion: unset -> v3 (promoted)", "m@champion: v3 -> v4 (promoted)", "m@champion: v4 -> v2 (promoted)",
         "m@champion stays v2 (no change)"]
-    assert main(["promote", "--model", "m@nope", "--tracking-uri", registry]) == 2
+    assert main(["promote", "--model", "m@nope", "--tracking-uri", registry_uri]) == 2
     assert "--model 'm@nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
-        main(["promote", "--model", "m/3", "--version", "3", "--tracking-uri", registry])
+        main(["promote", "--model", "m/3", "--version", "3", "--tracking-uri", registry_uri])
     assert done.value.code == 2 and "names the version already" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["promote", "--model", "m", "--tracking-uri", registry])  # which version?
+        main(["promote", "--model", "m", "--tracking-uri", registry_uri])  # which version?
     assert "name the version: --version N, --model NAME/VERSION or NAME@ALIAS, or --rollback" in capsys.readouterr().err
 
 
-def test_registry_resolves_models_uris(registry):
+def test_registry_resolves_models_uris(registry_uri):
     from mlflow import MlflowClient
 
     from flotilla.track import resolve_reference
 
-    client = MlflowClient(registry)
+    client = MlflowClient(registry_uri)
     assert resolve_reference(client, "models:/m@candidate", "test") == ("m", "2")
     assert resolve_reference(client, "models:/m/4", "test") == ("m", "4")
     assert resolve_reference(client, "m@candidate", "test") == ("m", "2")

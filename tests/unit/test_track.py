@@ -132,19 +132,6 @@ def test_misconfigured_uri_is_rejected(uri, message):
         check_tracking_uri(uri)
 
 
-@pytest.fixture
-def registry(tmp_path):
-    """A real SQLite-backed registry with model `m` at versions 1..4 (sources are empty dirs)."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    check_tracking_uri(uri)
-    client = MlflowClient(uri)
-    client.create_registered_model("m")
-    for _ in range(4):
-        (tmp_path / "src").mkdir(exist_ok=True)
-        client.create_model_version("m", source=str(tmp_path / "src"))
-    return client
-
-
 def test_promote_and_roll_back_champion(registry):
     assert set_alias(registry, "m", CHAMPION, "1").describe() == "m@champion: unset -> v1 (promoted)"
     set_alias(registry, "m", CHAMPION, "2")

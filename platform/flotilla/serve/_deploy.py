@@ -22,7 +22,7 @@ from flotilla.bundle import MODEL_JSON, choose_runtime, serving_app
 from flotilla.errors import BundleError, ServeError, TrackingError
 from flotilla.runtime import HAPROXY_ENV, ensure_ray, started_local_haproxy, started_local_ray
 from flotilla.spec import RunSpec, ServeSpec
-from flotilla.track import (CANDIDATE, CHAMPION, alias_version, bundle_in_model, model_file, registered_variants,
+from flotilla.track import (CANDIDATE, CHAMPION, alias_version, model_file, registered_bundle_file, registered_variants,
                             registry_client, set_alias)
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._chat import Chat
@@ -149,13 +149,9 @@ def _version_kind(client, name: str, version: str) -> str:
     """Which app serves registered `name` version `version`: `flotilla.bundle.serving_app` of the
     model.json in its bundle (read alone, without the weights)."""
     with tempfile.TemporaryDirectory(prefix="flotilla-kind-") as tmp:
-        mlmodel = model_file(client, name, version, "MLmodel", Path(tmp))
-        if mlmodel is None:
-            raise TrackingError(f"{name} v{version} has no MLflow model (no MLmodel file)")
-        bundle = bundle_in_model(mlmodel.parent, f"{name} v{version}").relative_to(mlmodel.parent.resolve())
-        found = model_file(client, name, version, f"{bundle.as_posix()}/{MODEL_JSON}", Path(tmp) / "bundle")
+        found = registered_bundle_file(client, name, version, MODEL_JSON, Path(tmp))
         if found is None:
-            raise TrackingError(f"{name} v{version}: its bundle has no {MODEL_JSON}")
+            raise TrackingError(f"{name} v{version}: no Flotilla bundle with a {MODEL_JSON} in its MLflow model")
         meta = json.loads(found.read_text())
     return serving_app(meta.get("model") or {}, (meta.get("schema") or {}).get("task", ""))
 

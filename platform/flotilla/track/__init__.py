@@ -21,7 +21,7 @@ from flotilla.track._registry import (
     set_alias,
 )
 from flotilla.track._fetch import (LocalBundle, bundle_in_model, download_model, load_registered_bundle, local_bundle,
-                                   model_file, registered_variants)
+                                   model_file, registered_bundle_file, registered_variants)
 from flotilla.track._run import (
     EpochMetricsLogger,
     Registration,
@@ -60,6 +60,7 @@ __all__ = [
     "load_registered_bundle",
     "local_bundle",
     "model_file",
+    "registered_bundle_file",
     "registered_variants",
     "resolve_reference",
     "log_params",

@@ -94,16 +94,21 @@ def model_file(client: MlflowClient, name: str, version: str, relative: str, dst
         return None
 
 
+def registered_bundle_file(client: MlflowClient, name: str, version: str, relative: str, dst: Path) -> Path | None:
+    """One file of a registered version's bundle (`model.json`, `variants/variants.json`), downloaded
+    alone under `dst`, the bundle's place read from the model's MLmodel; None when there is none."""
+    mlmodel = model_file(client, name, version, "MLmodel", dst)
+    if mlmodel is None:
+        return None
+    bundle = bundle_in_model(mlmodel.parent, f"{name} v{version}").relative_to(mlmodel.parent.resolve())
+    return model_file(client, name, version, f"{bundle.as_posix()}/{relative}", dst / "bundle")
+
+
 def registered_variants(client: MlflowClient, name: str, version: str) -> dict[str, dict[str, Any]]:
     """The variant records (`variants/variants.json`) of a registered version's bundle, read without
     downloading its weights: what `flotilla export` built and what each gate found ({} when none)."""
     with tempfile.TemporaryDirectory(prefix="flotilla-variants-") as tmp:
-        mlmodel = model_file(client, name, version, "MLmodel", Path(tmp))
-        if mlmodel is None:
-            return {}
-        bundle = bundle_in_model(mlmodel.parent, f"{name} v{version}").relative_to(mlmodel.parent.resolve())
-        records = model_file(client, name, version, f"{bundle.as_posix()}/{VARIANTS_DIR}/{VARIANTS_JSON}",
-                             Path(tmp) / "variants")
+        records = registered_bundle_file(client, name, version, f"{VARIANTS_DIR}/{VARIANTS_JSON}", Path(tmp))
         return json.loads(records.read_text()) if records is not None else {}
 
 

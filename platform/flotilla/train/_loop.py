@@ -48,7 +48,7 @@ from ray.train.v2._internal.execution import context as _train_context
 from flotilla.bundle import write_hf_bundle
 from flotilla.bundle import write_bundle
 from flotilla.errors import CheckpointError
-from flotilla.metrics import TASKS, primary_metric
+from flotilla.metrics import TASKS, format_duration, primary_metric
 from flotilla.data import FEATURES, TOKENS, DataSchema, filesystem_for
 from flotilla.data._instruct import IGNORE, INPUT_IDS, LABELS
 from flotilla.models import build_model, flops_per_token
@@ -373,18 +373,8 @@ def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
         parts += [f"{m['tokens_per_s']:.0f} tokens/s", f"MFU {m['mfu']:.1%}"]
     parts.append(f"({m['precision']}, ZeRO-{m['zero_stage']}, {m['world_size']} workers, {m['epoch_time_s']:.1f}s)")
     if m["epoch"] < epochs:  # the epochs left at this epoch's pace
-        parts.append(f"ETA {_clock((epochs - m['epoch']) * m['epoch_time_s'])}")
+        parts.append(f"ETA {format_duration((epochs - m['epoch']) * m['epoch_time_s'])}")
     return "  ".join(parts)
-
-
-def _clock(seconds: float) -> str:
-    """`42s`, `3m05s`, `1h02m`: a duration a person reads at a glance."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class _Progress:
@@ -405,7 +395,7 @@ class _Progress:
         elapsed = now - self.started
         eta = elapsed / self.done * max(self.total - self.done, 0)
         say(f"{self.label}  batch {self.done}/{self.total}  loss {loss:.4f}  {self.samples / elapsed:.0f} samples/s  "
-            f"ETA {_clock(eta)} (this epoch)")
+            f"ETA {format_duration(eta)} (this epoch)")
 
 
 def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
