@@ -419,9 +419,12 @@ sys.exit(main(["deploy", "-c", "configs/digits.yaml"]))
 def test_a_foreground_deploy_stops_on_sigterm_as_on_ctrl_c(how):
     """`flotilla deploy` with its own local Ray waits until stopped; SIGTERM ends it as Ctrl-C does (exit 0,
     no traceback), not through Ray's handler (exit 15). The Serve and Ray side is faked: no Ray starts."""
+    # Ctrl-C as a terminal sends it: a suite started in the background of a non-interactive shell
+    # hands its processes SIGINT ignored, which Python (and so the command) would keep.
     proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_IN_THE_FOREGROUND], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "platform")},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         while not lines or "stops it" not in lines[-1]:

@@ -196,7 +196,7 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     ensure_ray(ingress=s.ingress)  # a running cluster must have been started with its ingress
     notes = []
     was_running = _proxy_address() is not None  # then its ingress actors are up already
-    serve.start(http_options={"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
+    _start_serve({"host": s.host, "port": s.port, "request_timeout_s": s.request_timeout_s})
     # `auto` expects HAProxy where this process started the cluster with it (ensure_ray did, where it can run).
     expect_haproxy = s.ingress == "haproxy" or (s.ingress == "auto" and started_local_haproxy())
     running = running_ingress(expect_haproxy=expect_haproxy, timeout_s=5.0 if was_running else 30.0)
@@ -220,6 +220,26 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     # All interfaces: show this node's cluster address (127.0.0.1 on a laptop's local Ray).
     shown = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
     return Endpoint(plan, f"http://{shown}:{port}{plan.route_prefix}", name, notes)
+
+
+def _start_serve(http_options: dict[str, Any], attempts: int = 3) -> None:
+    """`serve.start`, riding out a proxy that Serve's controller replaced while it started.
+
+    The controller kills an ingress actor that is not ready within its own timeout (a loaded
+    machine) and starts another; `serve.start`, which waits on the first one's readiness, then
+    raises `ActorDiedError` although Serve is up and its next proxy is on the way. Asked again, it
+    finds the running controller; `running_ingress` then waits for the ingress itself."""
+    import ray.exceptions
+    from ray import serve
+
+    for attempt in range(attempts):
+        try:
+            serve.start(http_options=http_options)
+            return
+        except ray.exceptions.ActorDiedError as e:
+            if attempt + 1 == attempts:
+                raise ServeError(f"Serve's HTTP ingress died {attempts} times while starting: {e}; "
+                                 "see the Serve logs under the Ray session's logs/serve/") from e
 
 
 def running_ingress(expect_haproxy: bool = False, timeout_s: float = 30.0) -> str | None:

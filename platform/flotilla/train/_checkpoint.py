@@ -6,16 +6,28 @@ merges the ranks' directories into one checkpoint in the run's storage. A checkp
 complete when every rank's manifest is there and every listed file matches; anything else
 (a rank that died mid-write, a truncated upload) is torn and is never loaded: the newest
 complete earlier checkpoint of the run is used instead, or the run stops and says so.
+
+A checkpoint resumes at any world size. At the size that wrote it, DeepSpeed loads its own files.
+At another size, a checkpoint whose optimizer state is partitioned across the ranks (ZeRO-1/2/3,
+and DeepSpeed's bf16 optimizer) is first converted to DeepSpeed's universal checkpoint (one file
+per parameter and optimizer state, `deepspeed.checkpoint.ds_to_universal`) in a local directory,
+which DeepSpeed then loads partitioned for the new size (`checkpoint.load_universal`). The
+conversion happens only when the size changed, so a checkpoint costs nothing more to write.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import re
 import shutil
 import socket
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +42,7 @@ from flotilla.errors import CheckpointError
 MANIFEST_DIR = "manifest"
 STATE_FILE = "state.json"
 DS_TAG = "ds"
+UNIVERSAL_TAG = "ds_universal"
 
 
 STAGING_PREFIX = "flotilla-ckpt-"
@@ -73,11 +86,42 @@ def save(engine, directory: str, rank: int, world_size: int, state: dict[str, An
     _write_manifest(directory, rank, world_size, state)
 
 
-def load(engine, directory: str, rank: int) -> dict[str, Any]:
-    """Restore model, optimizer, step, LR schedule position and RNG from a verified checkpoint directory."""
+def written_world_size(directory: str) -> int:
+    """How many ranks wrote the (verified) checkpoint in `directory`."""
+    return _Manifest.model_validate_json((Path(directory) / MANIFEST_DIR / "rank0.json").read_bytes()).world_size
+
+
+def needs_universal(directory: str, world_size: int) -> bool:
+    """Whether resuming the checkpoint in `directory` on `world_size` ranks goes through DeepSpeed's
+    universal checkpoint: the size changed and the optimizer state was partitioned (one
+    `*optim_states.pt` file per rank; ZeRO-0 in fp32 keeps it whole in the model's file)."""
+    return written_world_size(directory) != world_size and any((Path(directory) / DS_TAG).glob("*optim_states.pt"))
+
+
+@dataclass
+class Resumed:
+    state: dict[str, Any]  # the checkpoint's STATE_FILE: epoch, global_step, history
+    written_by: int  # the world size that wrote it
+    converted_s: float | None  # seconds spent converting it to the universal form (None: loaded as written)
+
+
+def load(engine, directory: str, rank: int, world_size: int) -> Resumed:
+    """Restore model, optimizer, step, LR schedule position and RNG from a verified checkpoint directory.
+
+    The engine was built with `checkpoint.load_universal` when `needs_universal(directory,
+    world_size)` said so (`flotilla.train._deepspeed_config`)."""
     # The LR schedule is not restored but recomputed from the current spec at the restored
     # step: a resumed run that asks for more epochs then decays over the new total.
-    load_path, _ = engine.load_checkpoint(directory, tag=DS_TAG, load_lr_scheduler_states=False)
+    written_by, converted_s = written_world_size(directory), None
+    with contextlib.ExitStack() as stack:
+        load_dir, tag = directory, DS_TAG
+        if needs_universal(directory, world_size):
+            started = time.perf_counter()
+            load_dir = stack.enter_context(staging_dir())
+            tag = UNIVERSAL_TAG
+            _to_universal(os.path.join(directory, DS_TAG), os.path.join(load_dir, tag))
+            converted_s = time.perf_counter() - started
+        load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint under {directory!r}")
     state = json.loads((Path(directory) / STATE_FILE).read_text())
@@ -89,7 +133,26 @@ def load(engine, directory: str, rank: int) -> dict[str, Any]:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return state
+    return Resumed(state, written_by, converted_s)
+
+
+def _to_universal(source: str, target: str) -> None:
+    """DeepSpeed's own conversion of the checkpoint in `source` into a universal one in `target`, in
+    this process (no worker pool), its progress output kept out of the run's log. The checkpoints
+    Flotilla writes lack the version record Megatron-DeepSpeed adds; the conversion adds it."""
+    # (here, not at the top: DeepSpeed's import is heavy and only a resize needs its converter)
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            convert(args)
+    except Exception as e:
+        tail = captured.getvalue().strip().splitlines()[-3:]
+        raise CheckpointError(f"could not convert the checkpoint in {source} to resume it at another world size: "
+                              f"{type(e).__name__}: {e}" + (f" ({' / '.join(tail)})" if tail else "")) from e
 
 
 class _FileEntry(BaseModel):

@@ -18,7 +18,10 @@ def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int
     return micro, max(1, math.ceil(micro / t.grad_accum))
 
 
-def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool) -> dict[str, Any]:
+def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool,
+                     load_universal: bool = False) -> dict[str, Any]:
+    """`load_universal`: the engine will resume from a universal checkpoint (a checkpoint written at
+    another world size, converted; `flotilla.train._checkpoint`)."""
     # DeepSpeed's WarmupCosineLR refuses 0 warmup steps; one step of warmup is the least it takes.
     warmup = max(1, int(t.warmup_fraction * total_steps))
     zero: dict[str, Any] = {"stage": t.zero_stage}
@@ -60,6 +63,7 @@ def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size:
         "bf16": {"enabled": precision == "bf16"},
         # loss_scale 0 = dynamic loss scaling.
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 10**9,  # Flotilla prints its own per-epoch line
         "wall_clock_breakdown": False,
     }

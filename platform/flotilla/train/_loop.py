@@ -141,7 +141,19 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model_spec = spec.model.model_dump(mode="json")
     micro_batches, steps_per_epoch = optimizer_steps(config.train_rows, world, t)
-    ds_config = deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda")
+    # The checkpoint to resume from is chosen first: one written at another world size makes
+    # DeepSpeed load it as a universal checkpoint, which the engine must be built for.
+    stack = contextlib.ExitStack()
+    resume_dir = None
+    latest = session.latest_checkpoint()
+    if latest is not None:
+        chosen, note = _checkpoint.choose(latest)
+        if note and rank == 0:
+            say(f"WARNING: {note}")
+        resume_dir = stack.enter_context(chosen.as_directory())
+    universal = resume_dir is not None and _checkpoint.needs_universal(resume_dir, world)
+    ds_config = deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda",
+                                 load_universal=universal)
     if model_spec["kind"] == "hf_causal_lm":
         # Loaded in the precision it trains in; under ZeRO-3 created partitioned across the ranks
         # (rank 0 alone reads the weights), never whole on every rank. Partitioning needs DeepSpeed's
@@ -160,16 +172,17 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
 
     start_epoch, history, resumed_from = 0, [], None
-    latest = session.latest_checkpoint()
-    if latest is not None:
-        chosen, note = _checkpoint.choose(latest)
-        if note and rank == 0:
-            say(f"WARNING: {note}")
-        with chosen.as_directory() as directory:
-            state = _checkpoint.load(engine, directory, rank)
+    if resume_dir is not None:
+        with stack:
+            resumed = _checkpoint.load(engine, resume_dir, rank, world)
+        state = resumed.state
         start_epoch, history, resumed_from = state["epoch"], state["history"], state["global_step"]
         if rank == 0:
-            say(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path})")
+            resized = "" if resumed.written_by == world else \
+                f"; written by {resumed.written_by} workers, now {world}"
+            if resumed.converted_s is not None:
+                resized += f" (converted to DeepSpeed's universal checkpoint in {resumed.converted_s:.1f}s)"
+            say(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path}){resized}")
 
     is_lm = schema.task == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
