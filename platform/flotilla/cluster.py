@@ -144,15 +144,19 @@ def local_storage(storage_path: str, tracking_uri: str | None) -> dict[str, str]
     return paths
 
 
-def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
-    """Refuse local directories that would lose work on this cluster, naming the field and the fix.
+def check_storage_reaches_every_node(paths: dict[str, str]) -> list[str]:
+    """Refuse local directories that would lose work on this cluster, naming the field and the fix;
+    return notes on what could not be checked.
 
     `paths` maps a spec field (`train.storage_path`, `track.uri`) to the local directory it
     resolves to. Refused: a directory inside this job's unpacked `--working-dir` (Ray deletes it
     when the job ends, on any cluster), and, on a cluster of more than one node, a directory that
     not every node sees (a checkpoint written there cannot be resumed on another node, a model
     registered there cannot be loaded by a replica elsewhere). Visibility is tested, not guessed:
-    a marker file written here is looked for by a zero-CPU task pinned to each alive node.
+    a marker file written here is looked for by a zero-CPU task pinned to each alive node. A node
+    that says it cannot see the directory fails the check; one that does not answer in time, or
+    leaves the cluster meanwhile (an autoscaler at work, a spot node taken back), is noted and does
+    not: nodes in flux are normal, and a node that cannot run a probe cannot run a worker either.
     """
 
     problems = []
@@ -161,14 +165,20 @@ def check_storage_reaches_every_node(paths: dict[str, str]) -> None:
             problems.append(f"{field} resolves to {directory}, inside this job's unpacked --working-dir, which Ray "
                             f"deletes when the job ends; use {_STORAGE_FIX[field]}")
     nodes = [n for n in ray.nodes() if n.get("Alive")] if paths and not problems else []
+    notes = []
     if len(nodes) > 1:
-        for field, blind in _nodes_not_seeing(paths, nodes).items():
+        blind_by_field, silent = _nodes_not_seeing(paths, nodes)
+        for field, blind in blind_by_field.items():
             problems.append(
                 f"{field} resolves to {paths[field]}, a directory of this node only: node(s) {', '.join(blind)} of "
                 f"this {len(nodes)}-node cluster cannot see it (checkpoints and registered models must be "
                 f"readable from every node); use {_STORAGE_FIX[field]}")
+        if silent:
+            notes.append(f"storage check: node(s) {', '.join(silent)} did not answer (joining or leaving the "
+                         "cluster); not counted")
     if problems:
         raise ClusterError("storage this cluster would lose work in:\n  - " + "\n  - ".join(problems))
+    return notes
 
 
 def _sees(markers: list[str]) -> list[bool]:
@@ -177,11 +187,13 @@ def _sees(markers: list[str]) -> list[bool]:
     return [os.path.exists(m) for m in markers]
 
 
-def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict], timeout_s: float = 120.0) -> dict[str, list[str]]:
-    """{field: addresses of the nodes on which a marker file written here into its directory is
-    absent}, for the fields some node cannot see. One zero-CPU probe per node checks every marker;
-    a probe that fails (a node that joined a moment ago may not start a worker yet) is tried again
-    every 2 s, and a node that has not answered within `timeout_s` counts as not seeing."""
+def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict],
+                      timeout_s: float = 120.0) -> tuple[dict[str, list[str]], list[str]]:
+    """({field: addresses of the nodes on which a marker file written here into its directory is
+    absent}, for the fields some node cannot see; the addresses of the nodes that did not answer).
+    One zero-CPU probe per node checks every marker; a probe that fails (a node that joined a moment
+    ago may not start a worker yet) is tried again every 2 s while its node is alive. A node that
+    left, or has not answered within `timeout_s`, is one that did not answer."""
     import time
     import uuid
     from pathlib import Path
@@ -209,17 +221,19 @@ def _nodes_not_seeing(paths: dict[str, str], nodes: list[dict], timeout_s: float
                     seen[node] = ray.get(ref, timeout=0)
                     pending.discard(node)
                 except ray.exceptions.GetTimeoutError:  # still not run when the time was up
-                    pending.discard(node)
-                except Exception:  # tried again below, while there is time
+                    pass
+                except Exception:  # tried again below, while there is time and its node is alive
                     pass
             if pending:
-                time.sleep(2.0)
+                pending &= {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # those that left answer no more
+                if pending and time.monotonic() < deadline:
+                    time.sleep(2.0)
         blind: dict[str, list[str]] = {}
-        for node in sorted(names, key=names.get):
-            for field, ok in zip(markers, seen.get(node, [False] * len(markers))):
+        for node in sorted(seen, key=names.get):
+            for field, ok in zip(markers, seen[node]):
                 if not ok:
                     blind.setdefault(field, []).append(names[node])
-        return blind
+        return blind, sorted(names[node] for node in names if node not in seen)
     finally:
         for marker in markers.values():
             marker.unlink(missing_ok=True)

@@ -46,7 +46,9 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     ensure_ray(spec)
     check_cluster_fits(spec)
     if check_storage:
-        check_storage_reaches_every_node(local_storage(spec.train.storage_path, tracker.uri if tracker else None))
+        for note in check_storage_reaches_every_node(local_storage(spec.train.storage_path,
+                                                                     tracker.uri if tracker else None)):
+            print(f"[{run_name}] {note}", flush=True)
     prepared = prepared or prepare_data(spec)
     outcome = fit(spec, run_name, prepared, recorder=tracker, in_trial=in_trial)
     if tracker is None:
@@ -74,7 +76,8 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
         check_tracking_uri(uri)
     ensure_ray(largest_trial(spec))
     check_cluster_fits(largest_trial(spec))  # a trial that can never be placed is refused now
-    check_storage_reaches_every_node(local_storage(spec.train.storage_path, uri))  # once here, not per trial
+    for note in check_storage_reaches_every_node(local_storage(spec.train.storage_path, uri)):  # once, not per trial
+        print(f"[{name}] {note}", flush=True)
     parent = SweepRun(spec, name, uri) if uri else None
     # When no trial changes what data preparation reads, the data is read, split and fitted once,
     # here, and every trial trains on the same materialized datasets (seconds saved per trial).

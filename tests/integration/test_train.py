@@ -233,3 +233,19 @@ def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_
     assert len(runs) == 1 and runs[0].info.status == "FINISHED", [(r.info.run_name, r.info.status) for r in runs]
     assert metric_steps(client, runs[0].info.run_id) == [1, 2, 3, 4, 5, 6]
     assert [int(v.version) for v in client.search_model_versions("name = 'digits'")] == [1]
+
+
+def test_the_storage_check_counts_a_node_that_left_as_silent_not_as_blind(ray_cluster, tmp_path):
+    """A node that leaves while every node is asked to look for the run's storage (an autoscaler
+    removing it, a spot node taken back) is reported as not answering, and does not fail the run;
+    the node that answers still sees the directory."""
+    import ray
+
+    from flotilla.cluster import _nodes_not_seeing
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    node_id = alive[0]["NodeID"]  # a well-formed id that no node of this cluster has
+    gone = {**alive[0], "NodeID": node_id[:-8] + ("0" * 8 if node_id[-8:] != "0" * 8 else "1" * 8),
+            "NodeManagerAddress": "192.0.2.99"}
+    blind, silent = _nodes_not_seeing({"train.storage_path": str(tmp_path)}, alive + [gone], timeout_s=60)
+    assert blind == {} and silent == ["192.0.2.99"]
