@@ -1,6 +1,8 @@
 import pytest
 import torch
+from pydantic import ValidationError
 
+from flotilla.errors import TrainingError
 from flotilla.spec import TrainSpec
 from flotilla.train import deepspeed_config, optimizer_steps, resolve_precision
 from flotilla.train import _precision
@@ -96,3 +98,28 @@ def test_the_epoch_line_says_how_long_the_remaining_epochs_take_at_this_pace():
     line = format_epoch("digits-1", m, epochs=12)
     assert line.startswith("[digits-1] epoch 3/12  step 69") and line.endswith("ETA 9m45s"), line
     assert "ETA" not in format_epoch("digits-1", {**m, "epoch": 12}, epochs=12)  # the last epoch: done
+
+
+def test_a_global_batch_is_held_across_world_sizes_by_gradient_accumulation():
+    t = TrainSpec(batch_size=32, global_batch_size=128, num_workers=2)
+    for world, accumulation in ((1, 4), (2, 2), (4, 1)):
+        config = deepspeed_config(t, "fp32", 100, world, gpu=False)
+        assert config["gradient_accumulation_steps"] == accumulation
+        assert config["train_batch_size"] == 128
+    # The same optimizer steps per epoch (and so the same LR schedule) whatever the size.
+    assert {optimizer_steps(1440, world, t)[1] for world in (1, 2, 4)} == {12}
+    # Without it, the per-worker batch is kept and the global batch follows the workers.
+    plain = TrainSpec(batch_size=32, grad_accum=2)
+    assert [deepspeed_config(plain, "fp32", 100, w, gpu=False)["train_batch_size"] for w in (1, 2)] == [64, 128]
+
+
+def test_a_global_batch_the_workers_cannot_split_is_refused_naming_a_size_that_fits():
+    with pytest.raises(ValidationError, match=r"global_batch_size` = 96 is not a whole number of micro-batches .* "
+                                              r"on 2 worker\(s\) \(64 samples a micro-step\); use a multiple of 64, "
+                                              r"e.g. 64 or 128"):
+        TrainSpec(batch_size=32, global_batch_size=96, num_workers=2)
+    with pytest.raises(ValidationError, match="give it or `train.grad_accum` \\(now 2\\), not both"):
+        TrainSpec(batch_size=32, global_batch_size=128, grad_accum=2)
+    # A run resumed on a size the global batch does not divide into stops with the same words.
+    with pytest.raises(TrainingError, match=r"on 3 worker\(s\)"):
+        deepspeed_config(TrainSpec(batch_size=32, global_batch_size=128), "fp32", 100, 3, gpu=False)

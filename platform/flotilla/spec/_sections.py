@@ -245,6 +245,13 @@ class TrainSpec(_Section):
     grad_accum: int = Field(
         1, gt=0, description="Micro-batches accumulated per optimizer step (simulates a larger batch)."
     )
+    global_batch_size: Optional[int] = Field(
+        None, gt=0,
+        description="Samples per optimizer step over all workers, held whatever the number of workers: "
+        "`grad_accum` becomes `global_batch_size / (batch_size × workers)`, which must be a whole number. "
+        "A run resumed on another number of workers then takes the same steps. Null: `batch_size × grad_accum` "
+        "per worker, so the global batch follows the number of workers.",
+    )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate of AdamW.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -297,6 +304,35 @@ class TrainSpec(_Section):
     def worker_resources(self) -> dict[str, float]:
         """What one worker reserves: its CPUs, and its GPUs when it has any."""
         return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on `world_size` workers."""
+        if self.global_batch_size is None:
+            return self.grad_accum
+        return self.global_batch_size // (self.batch_size * world_size)
+
+    def accumulation_problem(self, world_size: int) -> str | None:
+        """Why `global_batch_size` cannot be held on `world_size` workers (None when it can)."""
+        if self.global_batch_size is None:
+            return None
+        per_step = self.batch_size * world_size
+        if self.global_batch_size % per_step == 0:
+            return None
+        fits = [self.batch_size * world_size * k for k in (max(1, self.global_batch_size // per_step),
+                                                           self.global_batch_size // per_step + 1)]
+        return (f"`train.global_batch_size` = {self.global_batch_size} is not a whole number of micro-batches of "
+                f"`train.batch_size` = {self.batch_size} on {world_size} worker(s) ({per_step} samples a "
+                f"micro-step); use a multiple of {per_step}, e.g. {' or '.join(map(str, sorted(set(fits))))}")
+
+    @model_validator(mode="after")
+    def _global_batch_fits(self) -> "TrainSpec":
+        if self.global_batch_size is not None and self.grad_accum != 1:
+            raise ValueError("`train.global_batch_size` sets the gradient accumulation itself: give it or "
+                             f"`train.grad_accum` (now {self.grad_accum}), not both")
+        problem = self.accumulation_problem(self.num_workers)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "TrainSpec":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from flotilla.errors import TrainingError
 from flotilla.spec import TrainSpec
 
 
@@ -15,13 +16,17 @@ def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int
     rank sees `train_rows // world_size` rows.
     """
     micro = max(1, math.ceil((train_rows // world_size) / t.batch_size))
-    return micro, max(1, math.ceil(micro / t.grad_accum))
+    return micro, max(1, math.ceil(micro / t.accumulation(world_size)))
 
 
 def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool,
                      load_universal: bool = False) -> dict[str, Any]:
     """`load_universal`: the engine will resume from a universal checkpoint (a checkpoint written at
     another world size, converted; `flotilla.train._checkpoint`)."""
+    problem = t.accumulation_problem(world_size)
+    if problem:  # a run resumed on a number of workers that its global batch does not divide into
+        raise TrainingError(problem)
+    accumulation = t.accumulation(world_size)
     # DeepSpeed's WarmupCosineLR refuses 0 warmup steps; one step of warmup is the least it takes.
     warmup = max(1, int(t.warmup_fraction * total_steps))
     zero: dict[str, Any] = {"stage": t.zero_stage}
@@ -34,8 +39,8 @@ def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
-        "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.batch_size * t.grad_accum * world_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": t.batch_size * accumulation * world_size,
         "gradient_clipping": t.grad_clip,
         "optimizer": {
             "type": "AdamW",

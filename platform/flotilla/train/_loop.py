@@ -179,7 +179,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         start_epoch, history, resumed_from = state["epoch"], state["history"], state["global_step"]
         if rank == 0:
             resized = "" if resumed.written_by == world else \
-                f"; written by {resumed.written_by} workers, now {world}"
+                f"; written by {resumed.written_by} workers, now {world}, {_global_batch_change(t, resumed.written_by, world)}"
             if resumed.converted_s is not None:
                 resized += f" (converted to DeepSpeed's universal checkpoint in {resumed.converted_s:.1f}s)"
             say(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path}){resized}")
@@ -300,6 +300,15 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         live.checkpointed(time.perf_counter() - checkpoint_started)
         if rank == 0:
             say(format_epoch(config.run_name, metrics, t.epochs))
+
+
+def _global_batch_change(t, before: int, now: int) -> str:
+    """What a resize did to the samples per optimizer step."""
+    size = t.batch_size * t.accumulation(now) * now
+    if t.global_batch_size is not None:
+        return f"global batch {size} held (grad_accum {t.accumulation(before)} -> {t.accumulation(now)})"
+    return (f"global batch {t.batch_size * t.grad_accum * before} -> {size} "
+            "(train.global_batch_size holds it across sizes)")
 
 
 def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], directory: str, name: str,
