@@ -209,7 +209,7 @@ class Hosts:
         commands = yaml.safe_load(CLUSTER_YAML.read_text())[f"{kind}_start_ray_commands"]
         out = []
         for command in commands:
-            if command.strip() == "ray stop":
+            if command.strip() == "ray stop" or "spot_notice.py" in command:  # (no spot instances here)
                 continue
             command = command.replace("s3://BUCKET/", f"s3://{S3_BUCKET}/" if self.s3 else f"{self.shared}/")
             if "ray start" in command:

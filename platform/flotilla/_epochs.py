@@ -33,7 +33,7 @@ class EpochRelay(ray.train.UserCallback):
         self.fs, self.directory = fs, directory
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics:
+        if not metrics or metrics[0].get("within_epoch"):  # (a checkpoint within an epoch: no epoch to log)
             return
         step = int(metrics[0].get("epoch", 0))
         fs, root = self.fs, self.directory

@@ -191,44 +191,85 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts):
 
 
 # ------------------------------------------------------------------ the lifecycle
-def test_a_run_from_the_client_survives_losing_a_worker_host(hosts):
-    # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
-    epochs = 6  # 1-2 s each here: the host is lost after epoch 2, with 4 to go
-    out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
-                 "train.run_name=across", "--set", f"train.epochs={epochs}", "--set", "train.placement=spread",
-                 wait=False, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    deadline = time.monotonic() + 400
-    while f"epoch 2/{epochs}" not in job_log(hosts, "train-1"):
-        assert time.monotonic() < deadline, job_log(hosts, "train-1")[-3000:]
-        assert f"epoch {epochs}/{epochs}" not in job_log(hosts, "train-1")
+# An elastic run: 1 or 2 workers of 2 CPUs, one per worker host; 64 samples an optimizer step at
+# either size. A wider model than digits.yaml's so that epochs last long enough here to lose a host
+# in one and to see the run grow back before the end.
+ELASTIC = ["--set", "train.num_workers=[1, 2]", "--set", "train.cpus_per_worker=2", "--set", "train.global_batch_size=64",
+           "--set", "train.placement=spread", "--set", "train.resize_check_s=5", "--set", "train.checkpoint_every_s=3",
+           "--set", "model.hidden=[512, 512]", "--set", "track.gate.require=[]"]
+
+
+def epoch_lines(log: str) -> list[tuple[int, int]]:
+    """(epoch, workers) of each epoch line of a job's log, in order."""
+    return [(int(e), int(w)) for e, w in re.findall(r"\] epoch (\d+)/\d+ .*, (\d+) workers, ", log)]
+
+
+def wait_in_log(hosts, job_id: str, found, what: str, timeout: float = 400) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = job_log(hosts, job_id)
+        if found(log):
+            return log
+        assert time.monotonic() < deadline, f"{what} not seen: " + log[-4000:]
         time.sleep(0.2)
-    killed = hosts.kill_host("worker1")  # every process of the host at once, mid-run
-    assert killed
-    hosts.replace_host("worker1")  # a fresh machine in its place, as the autoscaler would launch
-    status = wait_for_job(hosts, "train-1")
-    log = job_log(hosts, "train-1")
-    assert status == "SUCCEEDED", log[-4000:]
-    # Both worker hosts held a rank; after the loss the run resumed from its last checkpoint.
-    ranks = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
-    assert ranks == {hosts["worker1"].address, hosts["worker2"].address}, ranks
-    resumed = re.findall(r"resumed from epoch (\d+), step (\d+)", log)
-    assert resumed, log[-4000:]
-    print(f"training lost worker1 ({len(killed)} processes killed) after epoch 2; resumed from epoch "
-          f"{resumed[0][0]}, step {resumed[0][1]}")
-    # Checkpoints and bundle in S3 (cluster.yaml's FLOTILLA_STORAGE_PATH; moto on the head here).
-    stored = on_client(hosts, f"""
+
+
+def stored_run(hosts, run: str) -> dict:
+    """The run's entries and its bundle's record in S3 (cluster.yaml's FLOTILLA_STORAGE_PATH; moto on the head)."""
+    return on_client(hosts, f"""
 import json, pyarrow.fs as fs
-s3, run = fs.FileSystem.from_uri("s3://{local_hosts.S3_BUCKET}/flotilla/runs/across")  # the endpoint: AWS_ENDPOINT_URL
+s3, run = fs.FileSystem.from_uri("s3://{local_hosts.S3_BUCKET}/flotilla/runs/{run}")  # the endpoint: AWS_ENDPOINT_URL
 names = sorted(i.base_name for i in s3.get_file_info(fs.FileSelector(run)))
 with s3.open_input_stream(run + "/bundle/metrics.json") as f:
     print(json.dumps({{"names": names, "metrics": json.loads(f.read())}}))
 """)
+
+
+def test_an_elastic_run_goes_on_without_a_lost_host_and_grows_back_when_it_returns(hosts):
+    # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
+    epochs = 14
+    out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
+                 "train.run_name=across", "--set", f"train.epochs={epochs}", *ELASTIC, wait=False, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Killed after a checkpoint within epoch 3 (train.checkpoint_every_s) and before the epoch's end.
+    log = wait_in_log(hosts, "train-1", lambda log: re.search(r"checkpoint at step (\d+) \(batch \d+ of epoch 3\)", log),
+                      "a checkpoint within epoch 3")
+    within = int(re.search(r"checkpoint at step (\d+) \(batch \d+ of epoch 3\)", log).group(1))
+    killed_at = time.time()
+    killed = hosts.kill_host("worker1")  # every process of the host at once, mid-epoch, no notice
+    assert killed
+    # The run goes on with the worker left; the lost host is not waited for.
+    wait_in_log(hosts, "train-1", lambda log: any(w == 1 for _, w in epoch_lines(log)), "an epoch on 1 worker")
+    hosts.replace_host("worker1")  # the host comes back (as an autoscaler would launch one)
+    status = wait_for_job(hosts, "train-1")
+    log = job_log(hosts, "train-1")
+    assert status == "SUCCEEDED", log[-4000:]
+    sizes = [w for _, w in epoch_lines(log)]
+    assert sizes[:2] == [2, 2] and 1 in sizes and sizes[-1] == 2, (sizes, log[-4000:])  # shrank, then grew back
+    ranks = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
+    assert ranks == {hosts["worker1"].address, hosts["worker2"].address}, ranks
+    stored = stored_run(hosts, "across")
     assert "bundle" in stored["names"] and any(n.startswith("checkpoint_epoch") for n in stored["names"]), stored["names"]
-    history = stored["metrics"]["history"]
+    record = stored["metrics"]
+    history = record["history"]
     assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
-    steps = [m["global_step"] for m in history]
-    assert steps == sorted(set(steps)) and steps[int(resumed[0][0])] > int(resumed[0][1])  # the counter went on
+    events = record["events"]
+    reasons = [(e["reason"], e["from_workers"], e["to_workers"]) for e in events]
+    assert ("lost workers", 2, 1) in reasons and ("grew", 1, 2) in reasons, reasons
+    lost = next(e for e in events if e["reason"] == "lost workers")
+    # The epoch went on from its last checkpoint within it (train.checkpoint_every_s), not from its start.
+    back = lost["at"] + lost["first_step_s"] - killed_at
+    print(f"elastic run lost worker1 ({len(killed)} processes killed) in epoch 3: training again on 1 worker "
+          f"{back:.1f} s after the kill, from step {lost['resumed_step']} (batch {lost['resumed_batch']} of its epoch, "
+          f"checkpoint {lost['since_checkpoint_s']:.1f} s old); sizes by epoch {sizes}")
+    assert lost["resumed_step"] >= within, lost
+    if (3, 2) not in epoch_lines(log):  # epoch 3 did not end on 2 workers: it resumed within, at its batch
+        assert lost["resumed_batch"] > 0, lost
+    # The ledger counts the workers that ran: less than 2 workers for the whole time, more than 1.
+    cost = re.search(r"\[across\] resources: ([\d.]+) CPU-hours, .* over ([\d.]+) s", log)
+    cpu_hours, wall_s = map(float, cost.groups())
+    workers = (cpu_hours * 3600 / wall_s - 1) / 2  # (1 CPU of Ray Data's beside them; 2 CPUs a worker)
+    assert 1.0 < workers < 2.0, (workers, cost.group(0))
     # One MLflow run on the head's server, artifacts through the server, one registered version.
     reg = registry(hosts)
     assert [(r["name"], r["status"]) for r in reg["runs"]] == [("across", "FINISHED")], reg
@@ -237,6 +278,53 @@ with s3.open_input_stream(run + "/bundle/metrics.json") as f:
     assert reg["versions"] == [1] and reg["aliases"] == {"candidate": "1", "champion": "1"}, reg
     assert list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("model.safetensors")), \
         "the server stored no bundle on the head"
+    assert list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("events.json"))
+    hosts.elastic_accuracy = history[-1]["val_accuracy"]
+
+
+def test_a_drain_notice_is_met_with_a_checkpoint_before_its_deadline_and_loses_no_finished_step(hosts):
+    epochs, deadline_s = 14, 20
+    out = submit(hosts, "train-2", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
+                 "train.run_name=drained", "--set", f"train.epochs={epochs}", "--set", "train.checkpoint_every_s=0",
+                 *ELASTIC, wait=False, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    wait_in_log(hosts, "train-2", lambda log: (1, 2) in epoch_lines(log), "epoch 1 on 2 workers")
+    node = on_client(hosts, f"""
+import json
+from ray.util.state import list_nodes
+print(json.dumps([n.node_id for n in list_nodes(address={hosts.jobs_address!r}) if n.node_ip == {hosts["worker2"].address!r}
+                  and n.state == "ALIVE"][0]))
+""")
+    noticed_at = time.time()
+    drain = hosts.run("client", ["ray", "drain-node", "--address", f"{hosts.head_address}:{local_hosts.GCS_PORT}",
+                                 "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                                 "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds",
+                                 str(deadline_s)], timeout=60)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    log = wait_in_log(hosts, "train-2", lambda log: "committed after the drain notice" in log, "the notice's checkpoint",
+                      timeout=deadline_s + 30)
+    committed_at = time.time()
+    assert committed_at < noticed_at + deadline_s, "the checkpoint came after the deadline"
+    time.sleep(max(0.0, noticed_at + deadline_s - time.time()))
+    hosts.kill_host("worker2")  # the deadline: the cloud takes the machine
+    status = wait_for_job(hosts, "train-2")
+    log = job_log(hosts, "train-2")
+    assert status == "SUCCEEDED", log[-4000:]
+    record = stored_run(hosts, "drained")["metrics"]
+    event = next(e for e in record["events"] if e["reason"] == "drain notice")
+    # Everything up to the notice was in the checkpoint the run resumed from.
+    assert event["resumed_step"] >= event["notice_step"] and event["steps_lost"] == 0, event
+    assert event["to_workers"] == 1, event
+    print(f"drain notice with a {deadline_s} s deadline: checkpoint committed {committed_at - noticed_at:.1f} s after "
+          f"it; resumed on 1 worker at step {event['resumed_step']} (notice at step {event['notice_step']}), training "
+          f"again {event['at'] + event['first_step_s'] - (noticed_at + deadline_s):.1f} s after the deadline")
+    reg = registry(hosts)
+    assert ("drained", "FINISHED") in [(r["name"], r["status"]) for r in reg["runs"]], reg
+    assert reg["versions"] == [1, 2], reg
+    # Both ended within a point of validation accuracy of each other (the same 64 samples a step).
+    assert abs(record["history"][-1]["val_accuracy"] - hosts.elastic_accuracy) <= 0.01 + 1e-9, \
+        (record["history"][-1]["val_accuracy"], hosts.elastic_accuracy)
+    hosts.replace_host("worker2")  # two worker hosts again for the tests after this one
 
 
 def test_a_sweep_from_the_client_spreads_its_trials_over_both_worker_hosts(hosts):
@@ -253,7 +341,7 @@ def test_a_sweep_from_the_client_spreads_its_trials_over_both_worker_hosts(hosts
     parents = [r for r in reg["runs"] if r["name"] == "across-sweep"]
     children = [r for r in reg["runs"] if parents and r["parent"] and r["name"].startswith("across-sweep-")]
     assert len(parents) == 1 and len(children) == 2, reg["runs"]
-    assert reg["versions"] == [1, 2], reg  # the sweep's best trial, registered from shared storage
+    assert reg["versions"] == [1, 2, 3], reg  # the sweep's best trial, registered from shared storage
     assert (Path(hosts.shared) / "runs" / "across-sweep-runs").is_dir()
 
 

@@ -74,7 +74,7 @@ def _phase(rank: int, world: int, port: int, root: str, phase: int) -> None:
         result = {"universal": universal}
         if phase > 0:
             assert not _checkpoint.problems(str(previous))
-            resumed = _checkpoint.load(engine, str(previous), rank, world)
+            resumed = _checkpoint.load(engine, str(previous), rank, universal)
             saved = torch.load(previous / "expected.pt", weights_only=True)
             now = _full_state(engine)
             result.update(

@@ -89,6 +89,16 @@ def test_a_cpu_and_a_gpu_worker_type_that_scale_from_zero(cluster):
     assert cluster["idle_timeout_minutes"] > 0
 
 
+def test_a_spot_worker_type_beside_the_on_demand_one_priced_below_it(cluster):
+    types = workers(cluster)
+    spot, on_demand = types["cpu_spot_worker"], types["cpu_worker"]
+    assert spot["node_config"]["InstanceMarketOptions"]["MarketType"] == "spot"
+    assert "InstanceMarketOptions" not in on_demand["node_config"]
+    assert spot["node_config"]["InstanceType"] == on_demand["node_config"]["InstanceType"]
+    assert spot["resources"] == on_demand["resources"] and spot["labels"]["flotilla.io/market"] == "spot"
+    assert 0 < float(spot["labels"][PRICE_LABEL]) < float(on_demand["labels"][PRICE_LABEL])
+
+
 def test_every_node_type_launches_the_same_image(cluster):
     images = {t["node_config"]["ImageId"] for t in cluster["available_node_types"].values()}
     assert len(images) == 1, f"one Python on every node needs one AMI; found {sorted(images)}"

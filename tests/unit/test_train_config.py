@@ -6,6 +6,8 @@ from flotilla.errors import TrainingError
 from flotilla.spec import TrainSpec
 from flotilla.train import deepspeed_config, optimizer_steps, resolve_precision
 from flotilla.train import _precision
+from flotilla.train._deepspeed_config import rank_share
+from flotilla.train._loop import rank_batches
 
 
 def test_deepspeed_config_from_spec():
@@ -34,7 +36,22 @@ def test_fp16_uses_dynamic_loss_scaling():
 
 def test_optimizer_steps_counts_equal_shards():
     t = TrainSpec(batch_size=32, grad_accum=2)
-    assert optimizer_steps(1440, 2, t) == (23, 12)  # 720 rows per rank → 23 micro-batches
+    assert optimizer_steps(1440, 2, t, whole=False) == (23, 12)  # 720 rows per rank → 23 micro-batches
+    # Whole splits: 45 batches of one order, 22 each for 2 ranks (the 45th is left for this epoch).
+    assert optimizer_steps(1440, 2, t) == (22, 11)
+
+
+def test_every_rank_takes_its_share_of_one_order_from_the_batch_an_epoch_reached():
+    order = list(range(45))  # one epoch's batches, the same on every rank
+    two = [list(rank_batches(order, r, 2, 0, 22)) for r in (0, 1)]
+    assert two[0][:3] == [0, 2, 4] and two[1][:3] == [1, 3, 5] and not set(two[0]) & set(two[1])
+    # Interrupted after 10 steps of 2 ranks (batch 20), resumed on 3: the rest, each batch once.
+    t = TrainSpec(batch_size=32)
+    share = rank_share(1440, 3, t, skip=20)
+    rest = [b for r in range(3) for b in rank_batches(order, r, 3, 20, share)]
+    first = [b for ranks in two for b in ranks[:10]]
+    assert share == 8 and len(rest) == 24 and not set(rest) & set(first)
+    assert sorted(first + rest) == list(range(44))  # 44 of 45 batches used, none twice
 
 
 def test_precision_auto_follows_the_cpu(monkeypatch):
@@ -107,10 +124,29 @@ def test_a_global_batch_is_held_across_world_sizes_by_gradient_accumulation():
         assert config["gradient_accumulation_steps"] == accumulation
         assert config["train_batch_size"] == 128
     # The same optimizer steps per epoch (and so the same LR schedule) whatever the size.
-    assert {optimizer_steps(1440, world, t)[1] for world in (1, 2, 4)} == {12}
+    assert {optimizer_steps(1440, world, t, whole=False)[1] for world in (1, 2, 4)} == {12}
+    # Whole splits: the same batches too (whole optimizer steps of the one order: 44 of 45 batches).
+    assert {optimizer_steps(1440, world, t)[1] for world in (1, 2, 4)} == {11}
+    assert {rank_share(1440, world, t) * world for world in (1, 2, 4)} == {44}
     # Without it, the per-worker batch is kept and the global batch follows the workers.
     plain = TrainSpec(batch_size=32, grad_accum=2)
     assert [deepspeed_config(plain, "fp32", 100, w, gpu=False)["train_batch_size"] for w in (1, 2)] == [64, 128]
+
+
+def test_num_workers_is_a_number_or_an_elastic_range():
+    t = TrainSpec(num_workers=[1, 3])
+    assert (t.elastic, t.min_workers, t.max_workers, t.describe_workers()) == (True, 1, 3, "1-3")
+    assert TrainSpec(num_workers=[2, 2]).num_workers == 2  # a range of one size is that size
+    with pytest.raises(ValidationError, match=r"\[2, 1\]: the first is the minimum .* write \[1, 2\]"):
+        TrainSpec(num_workers=[2, 1])
+    for bad in ([0, 2], [1, 2, 3], "x", 0):
+        with pytest.raises(ValidationError, match=r"a number of workers, e.g. 2, or \[min, max\] for an elastic run"):
+            TrainSpec(num_workers=bad)
+    # Every size it may take must split the global batch.
+    with pytest.raises(ValidationError, match=r"on every number of workers an elastic run may have \(1 to 3\); "
+                                              r"use a multiple of 192"):
+        TrainSpec(num_workers=[1, 3], batch_size=32, global_batch_size=128)
+    assert TrainSpec(num_workers=[1, 3], batch_size=32, global_batch_size=192).accumulation(2) == 3
 
 
 def test_a_global_batch_the_workers_cannot_split_is_refused_naming_a_size_that_fits():

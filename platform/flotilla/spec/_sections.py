@@ -8,11 +8,12 @@ Schema (`flotilla config --schema`). Error messages name fields as the user writ
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flotilla.metrics import gate_metrics
 from flotilla.spec._base import _Section
@@ -232,7 +233,22 @@ ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], 
 class TrainSpec(_Section):
     """How the model is trained: Ray Train workers, DeepSpeed, schedule, checkpoints."""
 
-    num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
+    num_workers: Union[int, tuple[int, int]] = Field(
+        2,
+        description="Ray Train workers (data-parallel ranks): a number, or `[min, max]` for an elastic run that starts "
+        "as soon as `min` fit (asking an autoscaler for `max`), grows when capacity joins and goes on without "
+        "a lost node's workers while `min` remain. Each size change resumes from the last checkpoint.",
+    )
+    resize_check_s: float = Field(
+        60, ge=1,
+        description="Elastic runs (`num_workers: [min, max]`): how often a running run looks for room to grow into.",
+    )
+    checkpoint_every_s: float = Field(
+        0, ge=0,
+        description="Also checkpoint within an epoch at most this often (0: at each epoch's end only). A run resumes "
+        "mid-epoch at the batch it reached, at any number of workers, using no row twice within the epoch. On a "
+        "node's drain notice (a spot reclaim) a checkpoint is written at once, whatever this is.",
+    )
     cpus_per_worker: float = Field(1, gt=0, description="CPUs reserved per worker; also its torch thread count.")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs per worker; > 0 trains on CUDA with NCCL.")
     placement: Literal["pack", "spread"] = Field(
@@ -301,6 +317,22 @@ class TrainSpec(_Section):
         "nodes before failing (a cluster whose autoscaler launches nothing fails after ~30 s).",
     )
 
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    def describe_workers(self) -> str:
+        """`2`, or `1-2` for an elastic run."""
+        return f"{self.min_workers}-{self.max_workers}" if self.elastic else str(self.num_workers)
+
     def worker_resources(self) -> dict[str, float]:
         """What one worker reserves: its CPUs, and its GPUs when it has any."""
         return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
@@ -329,9 +361,38 @@ class TrainSpec(_Section):
         if self.global_batch_size is not None and self.grad_accum != 1:
             raise ValueError("`train.global_batch_size` sets the gradient accumulation itself: give it or "
                              f"`train.grad_accum` (now {self.grad_accum}), not both")
-        problem = self.accumulation_problem(self.num_workers)
+        sizes = range(self.min_workers, self.max_workers + 1)  # every size an elastic run may take
+        if self.elastic and any(self.accumulation_problem(n) for n in sizes):
+            every = self.batch_size * math.lcm(*sizes)
+            raise ValueError(
+                f"`train.global_batch_size` = {self.global_batch_size} must split into micro-batches of "
+                f"`train.batch_size` = {self.batch_size} on every number of workers an elastic run may have "
+                f"({self.min_workers} to {self.max_workers}); use a multiple of {every}, e.g. "
+                f"{max(1, self.global_batch_size // every) * every}")
+        problem = self.accumulation_problem(self.min_workers)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+        if isinstance(value, bool) or count(value) or (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(count, value))):
+            return tuple(value) if isinstance(value, (list, tuple)) else value  # (a boolean: said by boolean_problems)
+        raise ValueError(f"`train.num_workers` is a number of workers, e.g. 2, or [min, max] for an elastic run, "
+                         "e.g. [1, 4] (whole numbers from 1)")
+
+    @model_validator(mode="after")
+    def _elastic_range(self) -> "TrainSpec":
+        if self.elastic:
+            low, high = self.num_workers
+            if low > high:
+                raise ValueError(f"`train.num_workers` = [{low}, {high}]: the first is the minimum and the second the "
+                                 f"maximum; write [{high}, {low}]")
+            if low == high:
+                self.num_workers = low  # a fixed size written as a range
         return self
 
     @model_validator(mode="after")
@@ -498,6 +559,12 @@ class RunSpec(_Section):
         if isinstance(self.model, MLPSpec) and self.data.source in ("pycode", "arith"):
             raise ValueError(f"`data.source: {self.data.source}` is text; train a language model on it: `--set model.kind=gpt`")
         if self.tune is not None:
+            if self.train.elastic:
+                raise ValueError(
+                    f"`train.num_workers` = [{self.train.min_workers}, {self.train.max_workers}] is an elastic size, which a "
+                    "sweep's trials do not take (the scheduler compares trials by their steps, and a resize would make "
+                    "them unequal); give its trials a fixed number of workers, e.g. "
+                    f"`--set train.num_workers={self.train.min_workers}`")
             problems = self._space_paths_problems()
             if problems:
                 raise ValueError("\n".join(problems))  # one line each

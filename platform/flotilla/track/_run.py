@@ -210,9 +210,9 @@ class Tracker:
             "flotilla.storage": storage_dir,
             "flotilla.data_fingerprint": prepared.fingerprint,
             "flotilla.data_source": prepared.source.description,
-            "resources.num_workers": str(t.num_workers),
-            "resources.cpus": f"{t.num_workers * t.cpus_per_worker:g}",
-            "resources.gpus": f"{t.num_workers * t.gpus_per_worker:g}",
+            "resources.num_workers": t.describe_workers(),  # `1-4` for an elastic run
+            "resources.cpus": f"{t.max_workers * t.cpus_per_worker:g}",  # (at most)
+            "resources.gpus": f"{t.max_workers * t.gpus_per_worker:g}",
             **_versions(),
             **_git(),
         }
@@ -251,6 +251,7 @@ class Tracker:
                 self.client.log_artifact(self.run_id, str(curve))
                 if (bundle_dir / "preprocessors.json").is_file():  # (a pretrained model's bundle has its tokenizer)
                     self.client.log_artifact(self.run_id, str(bundle_dir / "preprocessors.json"))
+                self._log_events(bundle_dir, Path(tmp))
             broken = not_finite(final)
             if broken:
                 error = NotFiniteError(f"run {self.run_name!r} finished with metrics that are not finite numbers "
@@ -266,6 +267,24 @@ class Tracker:
         except MlflowException as e:
             self.fail(e)
             raise TrackingError(f"recording run {self.run_name!r} in MLflow at {self.uri} failed: {e.message}") from None
+
+    def _log_events(self, bundle_dir: Path, tmp: Path) -> None:
+        """The run's resizes, restarts and drain notices (the bundle's record): `events.json`, the count
+        as `restarts`, and the number of workers over the optimizer steps as `workers`."""
+        try:
+            record = json.loads((bundle_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            return
+        events, segments = record.get("events") or [], record.get("segments") or []
+        if not segments:
+            return
+        points = [(segments[0]["workers"], segments[0]["from"], 0)] + \
+                 [(e["to_workers"], e["at"], e["resumed_step"]) for e in events]
+        metrics = [Metric("workers", float(n), int(at * 1000), int(step)) for n, at, step in points]
+        metrics.append(Metric("restarts", float(len(events)), int(time.time() * 1000), 0))
+        self.client.log_batch(self.run_id, metrics=metrics)
+        (tmp / "events.json").write_text(json.dumps({"events": events, "segments": segments}, indent=1))
+        self.client.log_artifact(self.run_id, str(tmp / "events.json"))
 
     def fail(self, error: BaseException, resources=None) -> None:
         if self.run_id is None:

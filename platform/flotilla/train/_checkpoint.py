@@ -105,17 +105,17 @@ class Resumed:
     converted_s: float | None  # seconds spent converting it to the universal form (None: loaded as written)
 
 
-def load(engine, directory: str, rank: int, world_size: int) -> Resumed:
+def load(engine, directory: str, rank: int, universal: bool) -> Resumed:
     """Restore model, optimizer, step, LR schedule position and RNG from a verified checkpoint directory.
 
-    The engine was built with `checkpoint.load_universal` when `needs_universal(directory,
-    world_size)` said so (`flotilla.train._deepspeed_config`)."""
+    `universal`: `needs_universal(directory, world_size)`, for which the engine was built with
+    `checkpoint.load_universal` (`flotilla.train._deepspeed_config`)."""
     # The LR schedule is not restored but recomputed from the current spec at the restored
     # step: a resumed run that asks for more epochs then decays over the new total.
     written_by, converted_s = written_world_size(directory), None
     with contextlib.ExitStack() as stack:
         load_dir, tag = directory, DS_TAG
-        if needs_universal(directory, world_size):
+        if universal:
             started = time.perf_counter()
             load_dir = stack.enter_context(staging_dir())
             tag = UNIVERSAL_TAG

@@ -9,14 +9,29 @@ from flotilla.errors import TrainingError
 from flotilla.spec import TrainSpec
 
 
-def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec) -> tuple[int, int]:
+def optimizer_steps(train_rows: int, world_size: int, t: TrainSpec, whole: bool = True) -> tuple[int, int]:
     """(micro-batches per epoch per rank, optimizer steps per epoch).
 
-    Ray Train splits the train set into equal shards (`streaming_split(equal=True)`), so every
-    rank sees `train_rows // world_size` rows.
+    `whole`: every rank reads the whole split and takes every world-th of its batches (as many as
+    every rank has, `flotilla.train._loop.rank_batches`). Otherwise Ray Train splits it into equal
+    shards (`streaming_split(equal=True)`) of `train_rows // world_size` rows.
     """
-    micro = max(1, math.ceil((train_rows // world_size) / t.batch_size))
+    if whole:
+        micro = max(1, rank_share(train_rows, world_size, t))
+    else:
+        micro = max(1, math.ceil((train_rows // world_size) / t.batch_size))
     return micro, max(1, math.ceil(micro / t.accumulation(world_size)))
+
+
+def rank_share(train_rows: int, world_size: int, t: TrainSpec, skip: int = 0) -> int:
+    """Micro-batches each rank takes of an epoch's `ceil(train_rows / batch_size)` batches from batch
+    `skip` on, when every rank reads the whole split: as many as every rank has, and with
+    `train.global_batch_size` whole optimizer steps only, so that every number of workers takes the
+    same steps of the same batches."""
+    share = (math.ceil(train_rows / t.batch_size) - skip) // world_size
+    if t.global_batch_size is not None:
+        share -= share % t.accumulation(world_size)
+    return share
 
 
 def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool,

@@ -47,6 +47,9 @@ class InProcess:
     def shard(self, name: str) -> ray.data.Dataset:
         return self.datasets[name]
 
+    def preemption(self) -> None:
+        return None  # (a trial's process hears of a drain through Tune, which retries the trial)
+
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         destination = f"{self.run_root}/{name}"
         self.fs.create_dir(destination, recursive=True)

@@ -55,7 +55,7 @@ from flotilla.models import build_model, flops_per_token
 from flotilla.models._hf import build_hf_causal_lm
 from flotilla.redact import redact
 from flotilla.train import _checkpoint
-from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps
+from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps, rank_share
 from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
 from flotilla.train._worker_config import WorkerConfig
@@ -79,6 +79,9 @@ ds_logger.addFilter(_SchedulerStartNotice())
 logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 # Within an epoch, rank 0 prints a progress line at most this often.
 PROGRESS_EVERY_S = 10.0
+# How often the ranks ask Ray Train whether a node of the run got a drain notice (a collective). Ray
+# Train's watcher itself polls the nodes every 5 s; a notice gives tens of seconds (spot: 30-120 s).
+NOTICE_CHECK_S = 2.0
 
 
 class Session(Protocol):
@@ -92,6 +95,9 @@ class Session(Protocol):
 
     def shard(self, name: str):  # this rank's part of the "train"/"val" dataset (iter_torch_batches)
         ...
+
+    def preemption(self) -> Any:
+        """A drain notice for a node of the run (`ray.train.PreemptionInfo`), or None. Collective."""
 
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`."""
@@ -110,6 +116,9 @@ class _TrainWorker:
 
     def shard(self, name: str):
         return ray.train.get_dataset_shard(name)
+
+    def preemption(self) -> Any:
+        return ray.train.get_preemption_info()
 
     def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
@@ -140,7 +149,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         _skip_shared_memory_op()
     torch.manual_seed(t.seed)  # identical initial weights on every rank
     model_spec = spec.model.model_dump(mode="json")
-    micro_batches, steps_per_epoch = optimizer_steps(config.train_rows, world, t)
+    micro_batches, steps_per_epoch = optimizer_steps(config.train_rows, world, t, config.whole_splits)
     # The checkpoint to resume from is chosen first: one written at another world size makes
     # DeepSpeed load it as a universal checkpoint, which the engine must be built for.
     stack = contextlib.ExitStack()
@@ -171,10 +180,10 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     )
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
 
-    start_epoch, history, resumed_from = 0, [], None
+    start_epoch, history, resumed_from, state = 0, [], None, {}
     if resume_dir is not None:
         with stack:
-            resumed = _checkpoint.load(engine, resume_dir, rank, world)
+            resumed = _checkpoint.load(engine, resume_dir, rank, universal)
         state = resumed.state
         start_epoch, history, resumed_from = state["epoch"], state["history"], state["global_step"]
         if rank == 0:
@@ -182,11 +191,30 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                 f"; written by {resumed.written_by} workers, now {world}, {_global_batch_change(t, resumed.written_by, world)}"
             if resumed.converted_s is not None:
                 resized += f" (converted to DeepSpeed's universal checkpoint in {resumed.converted_s:.1f}s)"
-            say(f"resumed from epoch {start_epoch}, step {resumed_from} ({chosen.path}){resized}")
+            within = f", batch {state['position']} of its epoch" if state.get("position") else ""
+            say(f"resumed from epoch {start_epoch}{within}, step {resumed_from} ({chosen.path}){resized}")
+    # Where the epoch resumes: the batch its checkpoint reached (batches of one order at any size).
+    position = state.get("position", 0) if config.whole_splits else 0
+    carried = state.get("partial") if position else None
+    attempt, began = _broadcast((uuid.uuid4().hex[:6], time.time()) if rank == 0 else None)
+    # Each attempt's size and time: the driver prices the run by the workers that ran.
+    segments = state.get("segments", [])
+    if segments:  # the workers before this attempt held their nodes until it began
+        segments[-1]["to"] = max(segments[-1]["to"], began)
+    segments.append({"workers": world, "from": began, "to": began})
+    events, event, notice = state.get("events", []), None, None
+    if resumed_from is not None:
+        before, heard = resumed.written_by, state.get("notice")
+        event = {"at": began, "reason": "drain notice" if heard else "grew" if world > before else
+                 "lost workers" if world < before else "restarted", "from_workers": before, "to_workers": world,
+                 "resumed_step": resumed_from, "resumed_batch": position,
+                 "since_checkpoint_s": round(began - state.get("saved_at", began), 3)}
+        if heard:
+            event.update(nodes=heard["nodes"], notice_step=heard["step"], steps_lost=resumed_from - heard["step"])
+        events.append(event)
 
     is_lm = schema.task == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
-    attempt = _broadcast(uuid.uuid4().hex[:6] if rank == 0 else None)
     # Where each rank runs: the driver prices the run by these nodes' price labels.
     worker_nodes = _all_gather(ray.get_runtime_context().get_node_id())
     live = TrainingMetrics(
@@ -200,20 +228,27 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     batch_dtypes = _batch_dtypes(schema)
 
     first_step_at = 0.0  # wall-clock time of this attempt's first finished step (start-up cost)
+    accumulation = t.accumulation(world)
+    within_epoch = config.within_epoch and config.whole_splits
+    if config.within_epoch and not config.whole_splits and t.checkpoint_every_s and rank == 0:
+        say("WARNING: train.checkpoint_every_s needs the splits cached in memory (`data.cache`): an epoch of "
+            "streamed shards resumes from its start, so this run checkpoints at each epoch's end only")
+    last_checkpoint = last_check = time.perf_counter()
     for epoch in range(start_epoch, t.epochs):
         engine.train()
-        loss_sum, loss_count, samples, correct, started = 0.0, 0, 0, 0, time.perf_counter()
+        skip = position if epoch == start_epoch else 0
+        loss_sum, loss_count, samples, correct, train_before, wait_before = 0.0, 0, 0, 0, 0.0, 0.0
+        if carried is not None and epoch == start_epoch:
+            train_before, wait_before = carried["train_time_s"], carried["data_wait_s"]
+            if rank == 0:  # the epoch's sums so far, over every rank that ran it (counted once)
+                loss_sum, loss_count, samples, correct = (carried[k] for k in ("loss_sum", "loss_count", "samples", "correct"))
+        started = time.perf_counter()
         stopped = None
         live.start_epoch()
-        step_started, data_wait = started, 0.0
+        step_started, data_wait, done = started, 0.0, 0
         progress = _Progress(config.run_name, epoch + 1, t.epochs, micro_batches, enabled=rank == 0)
-        batches = iter(train_shard.iter_torch_batches(
-            batch_size=t.batch_size,
-            dtypes=batch_dtypes,
-            device=device,
-            local_shuffle_buffer_size=t.batch_size * 8,
-            local_shuffle_seed=t.seed + 1000 * epoch + rank,
-        ))
+        batches = _epoch_batches(train_shard, t, config.train_rows, config.whole_splits, epoch, (rank, world), skip,
+                                 batch_dtypes, device)
         while True:
             asked = time.perf_counter()
             batch = next(batches, None)
@@ -225,33 +260,77 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
             engine.step()
+            done += 1
             step_loss = loss.item()
-            bad = not math.isfinite(step_loss)
-            if world > 1:  # every rank stops at the same step, or their collectives would pair up wrongly
-                bad = _all_reduce([float(bad)], device, op=dist.ReduceOp.MAX)[0] > 0
-            if bad:
+            now = time.perf_counter()
+            # What every rank must do at this step, decided together (their collectives pair up):
+            # stop (a loss that is not a number), checkpoint now, ask Ray Train about drain notices.
+            flags = [float(not math.isfinite(step_loss)),
+                     float(within_epoch and 0 < t.checkpoint_every_s <= now - last_checkpoint),
+                     float(within_epoch and now - last_check >= NOTICE_CHECK_S)]
+            if world > 1:
+                flags = _all_reduce(flags, device, op=dist.ReduceOp.MAX)
+            if flags[0] > 0:
                 what = "train_loss" if not math.isfinite(step_loss) else "train_loss on another rank"
                 stopped = not_finite_message(config, what, step_loss, epoch + 1, int(engine.global_steps), precision)
                 break
             loss_sum += step_loss * _loss_count(targets, schema)
             loss_count += _loss_count(targets, schema)
             samples += len(targets)
-            now = time.perf_counter()
             live.step(now - step_started, len(targets), step_loss)
             progress.step(now, len(targets) * world, step_loss)
-            first_step_at = first_step_at or time.time()
+            if not first_step_at:
+                first_step_at = time.time()
+                if event is not None:
+                    event["first_step_s"] = round(first_step_at - began, 3)
             step_started = now
             if schema.task == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
+            if flags[2] > 0:
+                last_check = now
+                info = session.preemption()
+                if info is not None and notice is None:
+                    notice = {"nodes": list(info.preempted_node_ids), "ranks": list(info.preempted_ranks),
+                              "deadline_ms": info.deadline_ms, "step": int(engine.global_steps), "at": time.time()}
+                    if rank == 0:
+                        left = "" if info.deadline_ms is None else f", {info.deadline_ms / 1000 - time.time():.0f} s before its deadline"
+                        say(f"[{config.run_name}] drain notice for node(s) {', '.join(n[:12] for n in notice['nodes'])} "
+                            f"(ranks {notice['ranks']}){left}: checkpointing at step {notice['step']}")
+            due = flags[1] > 0 or (notice is not None and notice.get("saved") is None)
+            if due and engine.micro_steps % accumulation == 0:  # (a checkpoint holds whole optimizer steps)
+                if notice is not None:
+                    notice["saved"] = int(engine.global_steps)
+                sums = _all_reduce([loss_sum, loss_count, samples, correct], device)
+                slowest, most_waited = _all_reduce([now - started, data_wait], device, op=dist.ReduceOp.MAX)
+                partial = {"loss_sum": sums[0], "loss_count": int(sums[1]), "samples": int(sums[2]),
+                           "correct": int(sums[3]), "train_time_s": train_before + slowest,
+                           "data_wait_s": wait_before + most_waited}
+                reached = skip + done * world
+                segments[-1]["to"] = time.time()
+                state = {"epoch": epoch, "global_step": int(engine.global_steps), "history": history,
+                         "position": reached, "partial": partial, "events": events, "segments": segments,
+                         "notice": notice, "saved_at": time.time()}
+                with _checkpoint.staging_dir() as directory:
+                    _checkpoint.save(engine, directory, rank, world, state)
+                    _report(session, config, {"epoch": epoch, "global_step": state["global_step"], "within_epoch": True,
+                                              "batch": reached}, directory,
+                            f"{CHECKPOINT_PREFIX}{epoch:04d}_{attempt}_step{state['global_step']:07d}", epoch)
+                last_checkpoint = time.perf_counter()
+                if rank == 0:
+                    why = " after the drain notice" if notice is not None and notice["saved"] == state["global_step"] else ""
+                    say(f"[{config.run_name}] checkpoint at step {state['global_step']} (batch {reached} of epoch "
+                        f"{epoch + 1}) committed{why}")
         train_time = time.perf_counter() - started
         if stopped is not None:
             return _stop(session, stopped)
+        data_wait += wait_before
 
-        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_val else None)
+        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_splits else None)
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
         )
         slowest, most_waited, ended_at = _all_reduce([train_time, data_wait, time.time()], device, op=dist.ReduceOp.MAX)
+        slowest += train_before
         metrics: dict[str, Any] = {
             "epoch": epoch + 1,
             "global_step": int(engine.global_steps),
@@ -292,9 +371,12 @@ def train(config: WorkerConfig, session: Session) -> str | None:
 
         with _checkpoint.staging_dir() as directory:
             if final:
+                segments[-1]["to"] = time.time()
                 _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
-                              metrics, history, val["probe"], worker_nodes)
-            state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history}
+                              metrics, history, val["probe"], worker_nodes, {"events": events, "segments": segments})
+            segments[-1]["to"] = time.time()
+            state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history, "events": events,
+                     "segments": segments, "notice": notice, "saved_at": time.time()}
             _checkpoint.save(engine, directory, rank, world, state)
             _report(session, config, metrics, directory, f"{CHECKPOINT_PREFIX}{epoch + 1:04d}_{attempt}", epoch)
         live.checkpointed(time.perf_counter() - checkpoint_started)
@@ -420,6 +502,37 @@ class _Progress:
             f"ETA {format_duration(eta)} (this epoch)")
 
 
+def _epoch_batches(shard, t, train_rows: int, whole: bool, epoch: int, place: tuple[int, int], skip: int, dtypes,
+                   device):
+    """The batches of rank `place[0]` of `place[1]` in one epoch. `whole`: `shard` is the whole train
+    split, read in one shuffled order that is the same on every rank and at every number of workers
+    (the shuffle is seeded by the epoch, not the rank), of which this rank takes its share from batch
+    `skip` on. Else: `shard` is its streamed shard."""
+    rank, world = place
+    if not whole:
+        return iter(shard.iter_torch_batches(batch_size=t.batch_size, dtypes=dtypes, device=device,
+                                             local_shuffle_buffer_size=t.batch_size * 8,
+                                             local_shuffle_seed=t.seed + 1000 * epoch + rank))
+    order = shard.iter_torch_batches(batch_size=t.batch_size, dtypes=dtypes, device="cpu",
+                                     local_shuffle_buffer_size=t.batch_size * 8, local_shuffle_seed=t.seed + 1000 * epoch)
+    count = rank_share(train_rows, world, t, skip)
+    return ({k: v.to(device) for k, v in batch.items()} for batch in rank_batches(order, rank, world, skip, count))
+
+
+def rank_batches(order, rank: int, world: int, skip: int, count: int):
+    """Of `order` (one epoch's batches, the same on every rank), those of `rank` of `world` from batch
+    `skip` on: skip + rank, skip + rank + world, ...; `count` of them, as many as every rank takes."""
+    if count <= 0:
+        return
+    taken = 0
+    for i, batch in enumerate(order):
+        if i >= skip and (i - skip) % world == rank:
+            yield batch
+            taken += 1
+            if taken == count:
+                return
+
+
 def _batch_dtypes(schema: DataSchema) -> dict[str, torch.dtype]:
     if schema.masked:
         return {INPUT_IDS: torch.int64, LABELS: torch.int64}
@@ -501,7 +614,7 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe, worker_nodes):
+def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, history, probe, worker_nodes, ledger):
     state = consolidated_fp32_state_dict(engine)
     engine.eval()
     with torch.no_grad():  # every rank runs the probe: ZeRO-3's forward is collective
@@ -523,6 +636,8 @@ def _write_bundle(engine, directory, rank, model_spec, schema, config, metrics, 
         "fingerprint": config.fingerprint,
         "run_name": config.run_name,
         "worker_nodes": worker_nodes,
+        "events": ledger["events"],  # each resize, restart and drain notice of the run
+        "segments": ledger["segments"],  # each attempt's workers and its wall-clock span: what was paid for
         "bundle_check_max_abs_diff": check,
     }
     if hf:  # the merged weights as the pretrained model's own format (flotilla.bundle)

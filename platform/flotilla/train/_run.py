@@ -59,20 +59,25 @@ def check_cluster_fits(spec: RunSpec) -> None:
     """Fail fast when the workers can never be placed, instead of pending forever.
 
     On a running cluster a shortfall first goes to its autoscaler, which has
-    `train.scale_up_timeout_s` to add the nodes (see `flotilla.cluster.wait_for_room`).
+    `train.scale_up_timeout_s` to add the nodes (see `flotilla.cluster.wait_for_room`). An elastic
+    run (`train.num_workers: [min, max]`) needs room for `min` workers: it starts with what fits and
+    Ray Train asks the autoscaler for `max`.
     """
     t = spec.train
+    n = t.min_workers
     worker = {"CPU": t.cpus_per_worker, "GPU": t.gpus_per_worker}
-    need = {"CPU": t.num_workers * t.cpus_per_worker + DATA_CPUS, "GPU": t.num_workers * t.gpus_per_worker}
-    missing, why = wait_for_room(need, [worker] * t.num_workers + [{"CPU": DATA_CPUS}],
+    need = {"CPU": n * t.cpus_per_worker + DATA_CPUS, "GPU": n * t.gpus_per_worker}
+    missing, why = wait_for_room(need, [worker] * n + [{"CPU": DATA_CPUS}],
                             timeout_s=t.scale_up_timeout_s, may_wait=not started_local_ray(),
                             label=t.run_name or spec.name)
     problems = []
+    workers = f"train.num_workers={n}" if not t.elastic else \
+        f"train.num_workers=[{t.min_workers}, {t.max_workers}] (at least {n})"
     for resource, (amount, have) in missing.items():
         per = "cpus_per_worker" if resource == "CPU" else "gpus_per_worker"
         data_note = f" plus {DATA_CPUS} for Ray Data's input pipeline" if resource == "CPU" else ""
         problems.append(
-            f"train.num_workers={t.num_workers} x train.{per}={getattr(t, per):g} needs "
+            f"{workers} x train.{per}={getattr(t, per):g} needs "
             f"{amount - (DATA_CPUS if resource == 'CPU' else 0):g} {resource}s{data_note}, but the cluster has "
             f"{have:g} in all; lower train.num_workers or train.{per}, or add nodes"
         )
@@ -132,10 +137,12 @@ def fit(spec: RunSpec, run_name: str, prepared: PreparedData, *, recorder: RunRe
     config = WorkerConfig(
         spec=spec, data=prepared.schema, preprocessors=prepared.preprocessors, fingerprint=prepared.fingerprint,
         train_rows=prepared.train_rows, run_name=run_name,
-        # A validation split in the object store goes whole to every rank: no streaming split and
-        # its coordinator (one more Ray actor process a run, ~3 CPU-seconds), and no row dropped to
-        # even out the shards. One too big to cache streams, split like the train split.
-        whole_val=isinstance(prepared.val, MaterializedDataset),
+        # Splits in the object store go whole to every rank: no streaming split and its coordinator
+        # (one more Ray actor process a run, ~3 CPU-seconds), no Ray Data task an epoch (an elastic
+        # run's workers may take every CPU of their nodes), and one order of batches at any number of
+        # workers (an epoch resumes at its batch). Splits too big to cache stream in shards.
+        whole_splits=isinstance(prepared.train, MaterializedDataset) and isinstance(prepared.val, MaterializedDataset),
+        within_epoch=not in_trial,
     )
     epoch_logger = recorder.epoch_logger() if recorder is not None else None
     fit_started = time.monotonic()
@@ -179,7 +186,10 @@ def fit(spec: RunSpec, run_name: str, prepared: PreparedData, *, recorder: RunRe
         destination_filesystem=fs,
     )
     bundle_metrics = read_bundle_metrics(fs, bundle_fs_path)
-    use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"))
+    use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"),
+                        bundle_metrics.get("segments"))
+    for line in describe_events(bundle_metrics.get("events") or []):
+        print(f"[{run_name}] {line}", flush=True)
     print(f"[{run_name}] {use.describe()}", flush=True)
     if epoch_logger is not None:
         # The epochs are logged from a thread of this process: give it a moment to finish.
@@ -203,12 +213,11 @@ def _outcome(storage: str, run_name: str, prepared: PreparedData, bundle_metrics
     )
 
 
-def _whole_val_config() -> ray.train.DataConfig:
-    """The train split streams in shards; every rank reads all of the validation split, in one order
-    (each scores its own batches of it by their position)."""
-    val = ray.train.DataConfig.default_ingest_options()
-    val.preserve_order = True
-    return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"val": val})
+def _whole_splits_config() -> ray.train.DataConfig:
+    """Every rank reads all of both splits, in one order (each takes its own batches by position)."""
+    ordered = ray.train.DataConfig.default_ingest_options()
+    ordered.preserve_order = True
+    return ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ordered, "val": ordered})
 
 
 def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks: list) -> ray.train.Checkpoint:
@@ -218,7 +227,8 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
         train_loop_per_worker,
         train_loop_config=config.to_ray(),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
+            num_workers=t.num_workers,  # (min, max): Ray Train's elastic scaling policy
+            elastic_resize_monitor_interval_s=t.resize_check_s,
             use_gpu=t.gpus_per_worker > 0,
             resources_per_worker=t.worker_resources(),
             placement_strategy=t.placement.upper(),
@@ -234,7 +244,7 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
             callbacks=callbacks,
         ),
         datasets={"train": prepared.train, "val": prepared.val},
-        dataset_config=_whole_val_config() if config.whole_val else ray.train.DataConfig(),
+        dataset_config=_whole_splits_config() if config.whole_splits else ray.train.DataConfig(),
     )
     result = trainer.fit()
     if result.return_value is not None:  # the loop stopped early and says why (a loss that is not a number)
@@ -273,16 +283,40 @@ def latest_run(spec: RunSpec) -> str | None:
     return runs[-1] if runs else None
 
 
-def run_resources(spec: RunSpec, wall_time_s: float, worker_nodes: list[str] | None = None) -> ResourceUse:
+def run_resources(spec: RunSpec, wall_time_s: float, worker_nodes: list[str] | None = None,
+                  segments: list[dict[str, Any]] | None = None) -> ResourceUse:
     """What a run's reservation (its workers plus Ray Data's CPU) held for `wall_time_s`, priced by the
-    spec or by the price labels of the nodes its workers ran on."""
+    spec or by the price labels of the nodes its workers ran on. `segments` (the bundle's: each
+    attempt's number of workers and its span) count the workers that really ran: an elastic run's
+    size changes, and any run's restarts leave stretches when fewer workers held their nodes."""
     t = spec.train
+    workers = t.max_workers
+    if segments and wall_time_s > 0:  # the average number of workers over the run's time
+        held = sum(s["workers"] * max(0.0, s["to"] - s["from"]) for s in segments)
+        workers = min(held / wall_time_s, t.max_workers)
     return resource_use(
         wall_time_s,
-        cpus=t.num_workers * t.cpus_per_worker + DATA_CPUS,
-        gpus=t.num_workers * t.gpus_per_worker,
+        cpus=workers * t.cpus_per_worker + DATA_CPUS,
+        gpus=workers * t.gpus_per_worker,
         prices=prices_for(spec.cost, worker_nodes),
     )
+
+
+def describe_events(events: list[dict[str, Any]]) -> list[str]:
+    """One line for each resize, restart and drain notice of a run (the bundle's `events`)."""
+    lines = []
+    for e in events:
+        line = (f"{time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['reason']}: {e['from_workers']} -> "
+                f"{e['to_workers']} workers, resumed at step {e['resumed_step']}")
+        if e.get("resumed_batch"):
+            line += f" (batch {e['resumed_batch']} of its epoch)"
+        if "steps_lost" in e:
+            line += f", {e['steps_lost']} finished steps lost"
+        line += f"; checkpoint {e['since_checkpoint_s']:.0f} s old"
+        if "first_step_s" in e:
+            line += f", training again {e['first_step_s']:.0f} s after the restart began"
+        lines.append(line)
+    return lines
 
 
 def find_bundle(fs: pafs.FileSystem, root: str, run_name: str) -> str:

@@ -21,9 +21,14 @@ class WorkerConfig(BaseModel):
     fingerprint: str
     train_rows: int = Field(gt=0)
     run_name: str
-    # Every rank gets the whole validation split (materialized, so reading it costs no tasks) and
-    # scores every world-th batch of it, instead of a shard of a streaming split.
-    whole_val: bool = False
+    # Both splits are materialized: every rank reads each whole (reading costs no Ray Data task) and
+    # takes every world-th batch of one order that does not depend on the number of workers, so an
+    # epoch resumes at the batch it reached, at any size, using no row twice. Otherwise each rank
+    # streams its shard of a split, and an epoch interrupted resumes from its start.
+    whole_splits: bool = False
+    # Checkpoints within an epoch (`train.checkpoint_every_s`, drain notices); off in a sweep's trials,
+    # whose scheduler counts every report as an epoch.
+    within_epoch: bool = True
 
     def to_ray(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
