@@ -227,14 +227,15 @@ with s3.open_input_stream(run + "/bundle/metrics.json") as f:
 
 def test_an_elastic_run_goes_on_without_a_lost_host_and_grows_back_when_it_returns(hosts):
     # Storage and tracking come from the cluster's environment (cluster.yaml): the spec as on a laptop.
-    epochs = 14
+    # Long enough (~1 s an epoch on 2 workers) to see it shrink, then grow back once the host returns.
+    epochs = 60
     out = submit(hosts, "train-1", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
                  "train.run_name=across", "--set", f"train.epochs={epochs}", *ELASTIC, wait=False, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    # Killed after a checkpoint within epoch 3 (train.checkpoint_every_s) and before the epoch's end.
-    log = wait_in_log(hosts, "train-1", lambda log: re.search(r"checkpoint at step (\d+) \(batch \d+ of epoch 3\)", log),
-                      "a checkpoint within epoch 3")
-    within = int(re.search(r"checkpoint at step (\d+) \(batch \d+ of epoch 3\)", log).group(1))
+    # Killed after a checkpoint within an epoch (train.checkpoint_every_s), as soon as one is written.
+    within = re.compile(r"checkpoint at step (\d+) \(batch \d+ of epoch (\d+)\) committed")
+    log = wait_in_log(hosts, "train-1", within.search, "a checkpoint within an epoch")
+    step, epoch = map(int, within.search(log).groups())
     killed_at = time.time()
     killed = hosts.kill_host("worker1")  # every process of the host at once, mid-epoch, no notice
     assert killed
@@ -245,7 +246,7 @@ def test_an_elastic_run_goes_on_without_a_lost_host_and_grows_back_when_it_retur
     log = job_log(hosts, "train-1")
     assert status == "SUCCEEDED", log[-4000:]
     sizes = [w for _, w in epoch_lines(log)]
-    assert sizes[:2] == [2, 2] and 1 in sizes and sizes[-1] == 2, (sizes, log[-4000:])  # shrank, then grew back
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, (sizes, log[-4000:])  # shrank, then grew back
     ranks = set(re.findall(r"RayTrainWorker pid=\d+, ip=([\d.]+)", log))
     assert ranks == {hosts["worker1"].address, hosts["worker2"].address}, ranks
     stored = stored_run(hosts, "across")
@@ -259,11 +260,11 @@ def test_an_elastic_run_goes_on_without_a_lost_host_and_grows_back_when_it_retur
     lost = next(e for e in events if e["reason"] == "lost workers")
     # The epoch went on from its last checkpoint within it (train.checkpoint_every_s), not from its start.
     back = lost["at"] + lost["first_step_s"] - killed_at
-    print(f"elastic run lost worker1 ({len(killed)} processes killed) in epoch 3: training again on 1 worker "
+    print(f"elastic run lost worker1 ({len(killed)} processes killed) in epoch {epoch}: training again on 1 worker "
           f"{back:.1f} s after the kill, from step {lost['resumed_step']} (batch {lost['resumed_batch']} of its epoch, "
           f"checkpoint {lost['since_checkpoint_s']:.1f} s old); sizes by epoch {sizes}")
-    assert lost["resumed_step"] >= within, lost
-    if (3, 2) not in epoch_lines(log):  # epoch 3 did not end on 2 workers: it resumed within, at its batch
+    assert lost["resumed_step"] >= step, lost
+    if (epoch, 2) not in epoch_lines(log):  # the epoch did not end on 2 workers: it resumed within, at its batch
         assert lost["resumed_batch"] > 0, lost
     # The ledger counts the workers that ran: less than 2 workers for the whole time, more than 1.
     cost = re.search(r"\[across\] resources: ([\d.]+) CPU-hours, .* over ([\d.]+) s", log)
@@ -283,7 +284,7 @@ def test_an_elastic_run_goes_on_without_a_lost_host_and_grows_back_when_it_retur
 
 
 def test_a_drain_notice_is_met_with_a_checkpoint_before_its_deadline_and_loses_no_finished_step(hosts):
-    epochs, deadline_s = 14, 20
+    epochs, deadline_s = 40, 20
     out = submit(hosts, "train-2", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
                  "train.run_name=drained", "--set", f"train.epochs={epochs}", "--set", "train.checkpoint_every_s=0",
                  *ELASTIC, wait=False, timeout=120)

@@ -50,7 +50,7 @@ class InProcess:
     def preemption(self) -> None:
         return None  # (a trial's process hears of a drain through Tune, which retries the trial)
 
-    def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
+    def report(self, metrics: dict[str, Any], directory: str, name: str, confirm: bool = False) -> None:
         destination = f"{self.run_root}/{name}"
         self.fs.create_dir(destination, recursive=True)
         pafs.copy_files(directory, destination, destination_filesystem=self.fs)

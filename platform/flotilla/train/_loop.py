@@ -99,8 +99,9 @@ class Session(Protocol):
     def preemption(self) -> Any:
         """A drain notice for a node of the run (`ray.train.PreemptionInfo`), or None. Collective."""
 
-    def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
-        """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`."""
+    def report(self, metrics: dict[str, Any], directory: str, name: str, confirm: bool = False) -> None:
+        """Persist the checkpoint written to `directory` as `name` (every rank), then report `metrics`;
+        `confirm`: return once a restart would resume from it."""
 
 
 class _TrainWorker:
@@ -120,8 +121,10 @@ class _TrainWorker:
     def preemption(self) -> Any:
         return ray.train.get_preemption_info()
 
-    def report(self, metrics: dict[str, Any], directory: str, name: str) -> None:
+    def report(self, metrics: dict[str, Any], directory: str, name: str, confirm: bool = False) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
+        if confirm:  # until Ray Train's controller holds it: a restart from now on resumes from it
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
 def train_loop_per_worker(raw_config: dict[str, Any]) -> str | None:
@@ -210,7 +213,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                  "resumed_step": resumed_from, "resumed_batch": position,
                  "since_checkpoint_s": round(began - state.get("saved_at", began), 3)}
         if heard:
-            event.update(nodes=heard["nodes"], notice_step=heard["step"], steps_lost=resumed_from - heard["step"])
+            # The finished steps the notice came after that this checkpoint does not hold (0: it holds them all).
+            event.update(nodes=heard["nodes"], notice_step=heard["step"], steps_lost=max(0, heard["step"] - resumed_from))
         events.append(event)
 
     is_lm = schema.task == "lm"
@@ -314,7 +318,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                     _checkpoint.save(engine, directory, rank, world, state)
                     _report(session, config, {"epoch": epoch, "global_step": state["global_step"], "within_epoch": True,
                                               "batch": reached}, directory,
-                            f"{CHECKPOINT_PREFIX}{epoch:04d}_{attempt}_step{state['global_step']:07d}", epoch)
+                            f"{CHECKPOINT_PREFIX}{epoch:04d}_{attempt}_step{state['global_step']:07d}", epoch,
+                            confirm=True)
                 last_checkpoint = time.perf_counter()
                 if rank == 0:
                     why = " after the drain notice" if notice is not None and notice["saved"] == state["global_step"] else ""
@@ -394,13 +399,16 @@ def _global_batch_change(t, before: int, now: int) -> str:
 
 
 def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], directory: str, name: str,
-            epochs_before: int) -> None:
+            epochs_before: int, confirm: bool = False) -> None:
     """`session.report`, with a full storage said as such: which checkpoint, where, what to do. The
     half-written checkpoint is removed (it could never load, and it holds space) by every rank that
     failed to write it; the one before stays as it was."""
     t = config.spec.train
     try:
-        session.report(metrics, directory, name)
+        if confirm:
+            session.report(metrics, directory, name, confirm=True)
+        else:
+            session.report(metrics, directory, name)
     except OSError as e:
         # A rank whose copy hits the full disk removes the torn checkpoint (below) while another
         # rank's copy may still be landing files in it: that rank sees them vanish, not ENOSPC.

@@ -246,12 +246,60 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
         datasets={"train": prepared.train, "val": prepared.val},
         dataset_config=_whole_splits_config() if config.whole_splits else ray.train.DataConfig(),
     )
-    result = trainer.fit()
+    with _elastic_restarts(t.elastic):
+        result = trainer.fit()
     if result.return_value is not None:  # the loop stopped early and says why (a loss that is not a number)
         raise NotFiniteError(result.return_value)
     if result.checkpoint is None:
         raise TrainingError(f"run {config.run_name!r} finished without a checkpoint; nothing to bundle")
     return result.checkpoint
+
+
+# An elastic run's worker group restarts at the size Ray Train's autoscaling coordinator sees room for.
+# Its view of the nodes is refreshed every 20 s, and a run that lost a node restarts within seconds:
+# it first asks for the old size, whose placement waits for the lost node until Ray Train's worker
+# group start timeout (60 s by default) before it chooses again. Elastic runs wait this long instead
+# (Ray Train hands the driver's value to its controller), and the coordinator is asked to look again
+# as soon as a node joins or leaves, so the second choice sees the nodes as they are.
+ELASTIC_START_TIMEOUT_S = 20
+_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's (name, namespace)
+
+
+@contextlib.contextmanager
+def _elastic_restarts(elastic: bool):
+    if not elastic:
+        yield
+        return
+    import os
+    import threading
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        alive = None
+        while not stop.wait(1.0):
+            try:
+                now = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+                if alive is not None and now != alive:
+                    coordinator = ray.get_actor(*_COORDINATOR)
+                    coordinator.get_reserved_resources.remote("flotilla-nodes-changed", recompute=True)
+                alive = now
+            except Exception:  # no coordinator yet, or the cluster busy: the next second asks again
+                continue
+
+    thread = threading.Thread(target=watch, name="flotilla-elastic-nodes", daemon=True)
+    set_here = _START_TIMEOUT_ENV not in os.environ
+    if set_here:
+        os.environ[_START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        if set_here:
+            os.environ.pop(_START_TIMEOUT_ENV, None)
 
 
 def _fit_here(config: WorkerConfig, prepared, fs: pafs.FileSystem, run_root: str, epoch_logger) -> ray.train.Checkpoint:
