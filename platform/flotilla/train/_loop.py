@@ -374,12 +374,11 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         live.end_epoch(epoch + 1, samples / train_time if train_time > 0 else 0.0, metrics["val_loss"])
         checkpoint_started = time.perf_counter()
 
+        segments[-1]["to"] = time.time()  # (the bundle and the checkpoint record this attempt's span so far)
         with _checkpoint.staging_dir() as directory:
             if final:
-                segments[-1]["to"] = time.time()
                 _write_bundle(engine, os.path.join(directory, BUNDLE_DIR), rank, model_spec, schema, config,
                               metrics, history, val["probe"], worker_nodes, {"events": events, "segments": segments})
-            segments[-1]["to"] = time.time()
             state = {"epoch": epoch + 1, "global_step": metrics["global_step"], "history": history, "events": events,
                      "segments": segments, "notice": notice, "saved_at": time.time()}
             _checkpoint.save(engine, directory, rank, world, state)
@@ -405,10 +404,7 @@ def _report(session: Session, config: WorkerConfig, metrics: dict[str, Any], dir
     failed to write it; the one before stays as it was."""
     t = config.spec.train
     try:
-        if confirm:
-            session.report(metrics, directory, name, confirm=True)
-        else:
-            session.report(metrics, directory, name)
+        session.report(metrics, directory, name, confirm=confirm)
     except OSError as e:
         # A rank whose copy hits the full disk removes the torn checkpoint (below) while another
         # rank's copy may still be landing files in it: that rank sees them vanish, not ENOSPC.

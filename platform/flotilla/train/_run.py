@@ -5,8 +5,10 @@ it by `flotilla.pipeline`."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,9 +273,6 @@ def _elastic_restarts(elastic: bool):
     if not elastic:
         yield
         return
-    import os
-    import threading
-
     stop = threading.Event()
 
     def watch() -> None:
