@@ -46,3 +46,19 @@ def test_bad_prices_are_refused_with_the_field():
     with pytest.raises(SpecError) as e:
         load_spec(None, ["cost.cpu_hour=-1", "cost.currency=dollars"])
     assert "cost.cpu_hour" in str(e.value) and "cost.currency" in str(e.value)
+
+
+def test_a_run_is_charged_its_full_size_less_the_stretches_it_ran_smaller():
+    from flotilla.train import run_resources
+
+    spec = load_spec(None, ["train.num_workers=[1, 2]", "train.cpus_per_worker=2", "cost.cpu_hour=1.0"])
+    # 2 workers x 2 CPUs + 1 CPU for Ray Data over 3600 s, setup and restarts included ...
+    full = run_resources(spec, 3600)
+    assert full.cpu_hours == pytest.approx(5.0)
+    # ... and the same when every attempt ran at full size, however short its span.
+    assert run_resources(spec, 3600, segments=[{"workers": 2, "from": 100, "to": 3500}]).cpu_hours == pytest.approx(5.0)
+    # Half an hour on one worker takes one worker's 2 CPUs off for that half hour.
+    shrunk = run_resources(spec, 3600, segments=[{"workers": 2, "from": 0, "to": 1000},
+                                                 {"workers": 1, "from": 1000, "to": 2800},
+                                                 {"workers": 2, "from": 2800, "to": 3600}])
+    assert shrunk.cpu_hours == pytest.approx(5.0 - 2 * 0.5)

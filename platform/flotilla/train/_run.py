@@ -334,13 +334,13 @@ def run_resources(spec: RunSpec, wall_time_s: float, worker_nodes: list[str] | N
                   segments: list[dict[str, Any]] | None = None) -> ResourceUse:
     """What a run's reservation (its workers plus Ray Data's CPU) held for `wall_time_s`, priced by the
     spec or by the price labels of the nodes its workers ran on. `segments` (the bundle's: each
-    attempt's number of workers and its span) count the workers that really ran: an elastic run's
-    size changes, and any run's restarts leave stretches when fewer workers held their nodes."""
+    attempt's number of workers and its span) take off the stretches when an elastic run ran with
+    fewer than its most workers; setup, restarts and the rest of the run count at the full size."""
     t = spec.train
     workers = t.max_workers
-    if segments and wall_time_s > 0:  # the average number of workers over the run's time
-        held = sum(s["workers"] * max(0.0, s["to"] - s["from"]) for s in segments)
-        workers = min(held / wall_time_s, t.max_workers)
+    if segments and wall_time_s > 0:  # the full size for the whole run, less the stretches it ran smaller
+        short = sum((t.max_workers - s["workers"]) * max(0.0, s["to"] - s["from"]) for s in segments)
+        workers = max(0.0, t.max_workers - short / wall_time_s)
     return resource_use(
         wall_time_s,
         cpus=workers * t.cpus_per_worker + DATA_CPUS,
