@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -53,6 +54,13 @@ S3_BUCKET = "flotilla"
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local-hosts", "AWS_SECRET_ACCESS_KEY": "local-hosts",
                   "AWS_DEFAULT_REGION": "us-east-1"}
 CLUSTER_YAML = ROOT / "cluster.yaml"
+# The elastic run of the hosts' tests and `make benchmark-elastic` (`--set` arguments after
+# configs/digits.yaml): 1 or 2 workers of 2 CPUs, one per worker host; 64 samples an optimizer step at
+# either size; a wider model than digits.yaml's, so that an epoch lasts long enough (~1 s on 2
+# workers) to lose a host in it; a checkpoint within an epoch every 3 s; no quality gate.
+ELASTIC_RUN = ["--set", "train.num_workers=[1, 2]", "--set", "train.cpus_per_worker=2", "--set",
+               "train.global_batch_size=64", "--set", "train.placement=spread", "--set", "train.resize_check_s=5",
+               "--set", "train.checkpoint_every_s=3", "--set", "model.hidden=[512, 512]", "--set", "track.gate.require=[]"]
 
 
 @dataclass
@@ -70,13 +78,17 @@ class Hosts:
     worker_cpus: int = 2
     shared: str = ""
     s3: bool = True  # an S3 endpoint on the head (moto) for s3:// paths; cluster.yaml's BUCKET is its bucket
+    # Hosts made with the others but booted only by `start_node` (`spare1`, ...): capacity that joins
+    # later, as an autoscaler's new node does.
+    spares: int = 0
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     hosts: list[Host] = field(default_factory=list)
 
     def __post_init__(self):
         self.shared = self.shared or f"/var/tmp/{self.prefix}-shared"
         if not self.hosts:
-            names = ["head", *(f"worker{i + 1}" for i in range(self.workers)), "client"]
+            names = ["head", *(f"worker{i + 1}" for i in range(self.workers)),
+                     *(f"spare{i + 1}" for i in range(self.spares)), "client"]
             last = {"head": 1, "client": 100}
             self.hosts = [Host(n, f"{self.prefix}-{n}", f"{SUBNET}.{last.get(n, 10 + i)}")
                           for i, n in enumerate(names)]
@@ -283,8 +295,18 @@ class Hosts:
     def _alive_workers(self) -> str:
         """A Python expression (after `from ray.util.state import list_nodes`): the worker nodes the head's
         GCS counts as alive."""
-        return (f"sum(1 for n in list_nodes(address={self.jobs_address!r}, filters=[('state', '=', 'ALIVE')]) "
-                "if not n.is_head_node)")
+        # (A filter makes Ray's state API count the nodes it filtered out as missing output and raise,
+        # once a node has died: `raise_on_missing_output=False`.)
+        return (f"sum(1 for n in list_nodes(address={self.jobs_address!r}, filters=[('state', '=', 'ALIVE')], "
+                "raise_on_missing_output=False) if not n.is_head_node)")
+
+    def wait_alive(self, host: str, timeout_s: float = 120) -> None:
+        """Until the head's GCS counts a node at `host`'s address as alive (RuntimeError after `timeout_s`)."""
+        self._wait_on_client("from ray.util.state import list_nodes",
+                             f"{self[host].address!r} in [n.node_ip for n in list_nodes(address={self.jobs_address!r}, "
+                             "filters=[('state', '=', 'ALIVE')], raise_on_missing_output=False)]", timeout_s,
+                             f"host {host}'s Ray node",
+                             Path(f"/proc/{self[host].holder_pid}/root/tmp/ray"))
 
     def alive_workers(self) -> int:
         """Worker nodes the head's GCS counts as alive (asked from the client host); -1 if it does not answer."""
@@ -308,6 +330,81 @@ class Hosts:
         ])
         if self.run("client", ["python", "-c", code], timeout=timeout_s + 60).returncode != 0:
             raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s; see {log}")
+
+    # ------------------------------------------------------------------ jobs, from the client host
+    def submit(self, job_id: str, script: str, *args: str, wait: bool = True,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+        """`ray job submit --working-dir .` from the client host, as a user types it."""
+        return self.run("client", [
+            "ray", "job", "submit", "--address", self.jobs_address, "--working-dir", ".", "--submission-id", job_id,
+            *([] if wait else ["--no-wait"]), "--", "python", script, *args], timeout=timeout)
+
+    def job_log(self, job_id: str) -> str:
+        """The job driver's log, read straight from the head's own session directory."""
+        root = Path(f"/proc/{self['head'].holder_pid}/root")
+        try:
+            session = os.readlink(root / "tmp/ray/session_latest")  # absolute on the head: resolve it under its root
+        except FileNotFoundError:  # not readable at this instant (seen once in a full run): no log yet, ask again
+            return ""
+        path = root / session.lstrip("/") / "logs" / f"job-driver-{job_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_in_log(self, job_id: str, found, what: str, timeout: float = 400) -> str:
+        """The job's log once `found(log)` holds; AssertionError with the log's end after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.job_log(job_id)
+            if found(log):
+                return log
+            assert time.monotonic() < deadline, f"{what} not seen: " + log[-4000:]
+            time.sleep(0.2)
+
+    def wait_for_job(self, job_id: str, timeout: float = 600) -> str:
+        """Block until the job ends; its final status (SUCCEEDED, FAILED, ...)."""
+        self.run("client", ["ray", "job", "logs", "--address", self.jobs_address, "--follow", job_id], timeout=timeout)
+        out = self.run("client", ["ray", "job", "status", "--address", self.jobs_address, job_id], timeout=60)
+        found = re.search(rf"Job '{job_id}' (succeeded|failed|was stopped)|Status for job '{job_id}': (\w+)",
+                          out.stdout + out.stderr)
+        return (found.group(1) or found.group(2)).upper().replace("WAS ", "") if found else out.stdout + out.stderr
+
+    def stop_job(self, job_id: str) -> None:
+        """Stop a job (a no-op once it has ended), so that it holds no host's CPUs."""
+        self.run("client", ["ray", "job", "stop", "--address", self.jobs_address, job_id], timeout=120)
+
+    def on_client(self, code: str, timeout: float = 120):
+        """Python run on the client host; its stdout's last line parsed as JSON."""
+        out = self.run("client", ["python", "-c", code], timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"on the client host: {out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stored_run(self, run: str) -> dict:
+        """A run's entries and its bundle's record in S3 (cluster.yaml's FLOTILLA_STORAGE_PATH; moto on the head)."""
+        return self.on_client(f"""
+import json, pyarrow.fs as fs
+s3, run = fs.FileSystem.from_uri("s3://{S3_BUCKET}/flotilla/runs/{run}")  # the endpoint: AWS_ENDPOINT_URL
+names = sorted(i.base_name for i in s3.get_file_info(fs.FileSelector(run)))
+with s3.open_input_stream(run + "/bundle/metrics.json") as f:
+    print(json.dumps({{"names": names, "metrics": json.loads(f.read())}}))
+""")
+
+    def drain(self, host: str, deadline_s: int) -> float:
+        """A spot notice for `host`, as a cloud's reaches Ray (`ray drain-node` with the preemption reason
+        and a deadline, from the client host); the time it was given."""
+        node = self.on_client(f"""
+import json
+from ray.util.state import list_nodes
+print(json.dumps([n.node_id for n in list_nodes(address={self.jobs_address!r}) if n.node_ip == {self[host].address!r}
+                  and n.state == "ALIVE"][0]))
+""")
+        noticed_at = time.time()
+        out = self.run("client", ["ray", "drain-node", "--address", f"{self.head_address}:{GCS_PORT}",
+                                  "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                                  "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds",
+                                  str(deadline_s)], timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"ray drain-node {host}: {out.stdout + out.stderr}")
+        return noticed_at
 
     # ------------------------------------------------------------------ faults and teardown
     def kill_host(self, name: str) -> list[int]:

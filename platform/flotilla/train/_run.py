@@ -258,12 +258,15 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
 
 
 # An elastic run's worker group restarts at the size Ray Train's autoscaling coordinator sees room for.
-# Its view of the nodes is refreshed every 20 s, and a run that lost a node restarts within seconds:
-# it first asks for the old size, whose placement waits for the lost node until Ray Train's worker
-# group start timeout (60 s by default) before it chooses again. Elastic runs wait this long instead
-# (Ray Train hands the driver's value to its controller), and the coordinator is asked to look again
-# as soon as a node joins or leaves, so the second choice sees the nodes as they are.
-ELASTIC_START_TIMEOUT_S = 20
+# Its view of the nodes is refreshed every 20 s and counts a draining node as a live one, and a run
+# that lost a node restarts within seconds: it first asks for the old size, whose placement waits
+# for the lost (or draining) node until Ray Train's worker group start timeout (60 s by default)
+# before it chooses again. Elastic runs wait this long instead (Ray Train hands the driver's value to
+# its controller): the coordinator only offers nodes that exist, so a placement that can succeed does
+# in well under a second, and a failed one is retried without counting against `train.max_failures`.
+# The coordinator is also asked to look again as soon as a node joins or leaves, so the second choice
+# sees the nodes as they are.
+ELASTIC_START_TIMEOUT_S = 10
 _START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 _COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's (name, namespace)
 
