@@ -160,8 +160,8 @@ def _apps():
                                         CompletionRequest, CompletionResponse, OpenAIError)
     from flotilla.serve._server import classifier_api, generator_api
 
-    # The chat routes read the raw request and validate it with these models (flotilla.serve._chat):
-    # their OpenAPI operations declare no body, so the page takes the bodies from the models.
+    # The chat routes read the raw request and validate it with these models (flotilla.serve._chat),
+    # and answer JSON or a stream: the page names the responses from the models.
     chat_bodies = {
         "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
         "/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse),
@@ -313,7 +313,9 @@ def http_page() -> str:
         f"- Every answer names the version that gave it in the `{VERSION_HEADER}` header, and what ran the model "
         f"(`torch`, `onnx`, `onnx-int8`) in `{RUNTIME_HEADER}`.",
         f"- A request with a `{sticky}` header (`serve.sticky_header`) always reaches the same version of a split.",
-        "- Bodies are JSON (`Content-Type: application/json`, or none); numbers must be finite.",
+        "- Bodies are JSON, sent with `Content-Type: application/json` (any other type, or none, is a 415); "
+        "numbers must be finite.",
+        "- An error answer lists at most 20 problems (and counts the rest), and stays under 16 KB.",
         "- `GET {prefix}/docs` serves the app's OpenAPI document as interactive docs.",
         "",
     ]
@@ -332,18 +334,18 @@ def http_page() -> str:
                     continue
                 details += [f"### {method.upper()} `{full}`", ""]
                 request = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
-                if request is not None:
+                if path in bodies:  # the OpenAI routes: the body they publish, and what they answer
+                    req, resp, chunk = bodies[path]
+                    details.append(f"- Request body: {schemas.add(req.__name__, request=True)}")
+                    details.append(f"- 200: {schemas.add(resp.__name__)}; with `stream: true`, server-sent events, "
+                                   f"`data: ` and a {schemas.add(chunk.__name__)} each, then `data: [DONE]`")
+                elif request is not None:
                     details.append(f"- Request body: {schemas.add(request['title'], request, request=True)}")
                     ok = op["responses"].get("200", {}).get("content", {}).get("application/json", {}).get("schema")
                     if ok:
                         for name in _refs(ok):
                             schemas.add(name, spec["components"]["schemas"][name])
                         details.append(f"- 200: {_type(ok)}")
-                elif path in bodies:
-                    req, resp, chunk = bodies[path]
-                    details.append(f"- Request body: {schemas.add(req.__name__, request=True)}")
-                    details.append(f"- 200: {schemas.add(resp.__name__)}; with `stream: true`, server-sent events, "
-                                   f"`data: ` and a {schemas.add(chunk.__name__)} each, then `data: [DONE]`")
                 by_schema: dict[str, list[str]] = {}
                 for status, response in op["responses"].items():
                     if status.startswith("2"):

@@ -246,3 +246,70 @@ def instruct_spec(store: Path, tiny_llama: str, *overrides: str) -> RunSpec:
     return load_spec(ROOT / "configs" / "instruct_lora.yaml", [
         f"model.pretrained={tiny_llama}", f"train.storage_path={store / 'runs'}", f"track.uri={store_uri(store)}",
         *overrides])
+
+
+# ------------------------------------------------------------------ fuzzing an endpoint
+FUZZ_CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "application/problem+json",
+                      "text/plain", "application/x-www-form-urlencoded", "multipart/form-data", ""]
+
+
+def published_body(base_url: str, path: str) -> dict:
+    """The request body schema that the app at `base_url` publishes for `POST path` in its OpenAPI
+    document (`/openapi.json`): what a client, or a fuzzer, reads the API from."""
+    import requests
+
+    document = requests.get(base_url + "/openapi.json", timeout=30).json()
+    return document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+def any_json():
+    """Hypothesis: any JSON value, with NaN, Infinity and integers past int64."""
+    from hypothesis import strategies as st
+
+    big = st.integers(min_value=-(2**70), max_value=2**70)
+    scalars = st.none() | st.booleans() | big | st.floats() | st.text(max_size=12)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+def fuzz(target: str, bodies, examples: int, clients: int = 8):
+    """Sends `examples` requests drawn by Hypothesis (the same ones every run: derandomized) to
+    `target`: each a body from `bodies` as JSON, or raw bytes, with a Content-Type from
+    FUZZ_CONTENT_TYPES; `clients` at once. Returns the count of answers by status, and
+    (content type, body, status, text) for each answer that is a 5xx or a stream that ended with
+    a server error other than a deadline."""
+    import json
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    cases: list[tuple[bytes, str]] = []
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=bodies.map(lambda b: json.dumps(b).encode()) | st.binary(max_size=200),
+           kind=st.just("application/json") | st.sampled_from(FUZZ_CONTENT_TYPES))
+    def draw(body: bytes, kind: str):
+        cases.append((body, kind))
+
+    draw()  # the cases first, then sent by several clients at once: the same answers, sooner
+    session = requests.Session()
+
+    def send(case):
+        body, kind = case
+        r = session.post(target, data=body, headers={"content-type": kind} if kind else {}, timeout=120)
+        return body, kind, r.status_code, r.text
+
+    statuses: Counter = Counter()
+    server_errors: list[tuple] = []
+    with ThreadPoolExecutor(clients) as pool:
+        for body, kind, status, text in pool.map(send, cases):
+            statuses[status] += 1
+            streamed_fault = status == 200 and ("data: " in text or "event: " in text) and \
+                ('"server_error"' in text or '"status": 500' in text) and "request_timeout_s" not in text
+            if status >= 500 or streamed_fault:
+                server_errors.append((kind, body[:200], status, text[:300]))
+    return statuses, server_errors

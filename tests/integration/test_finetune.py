@@ -22,8 +22,9 @@ import torch
 from flotilla.pipeline import run_training
 from tests.services import free_port
 
-from ._helpers import (assert_leaving_clients_stop_generating, instruct_spec, metric_steps, metric_sum, metrics_text,
-                       mlflow_runs, store_uri, wait_for, worker_killed_after_first_checkpoint)
+from ._helpers import (any_json, assert_leaving_clients_stop_generating, fuzz, instruct_spec, metric_steps, metric_sum,
+                       metrics_text, mlflow_runs, published_body, store_uri, wait_for,
+                       worker_killed_after_first_checkpoint)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -117,7 +118,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
     from flotilla.serve import deploy, plan_deployment
 
     spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
-                         "serve.max_new_tokens=60000", "serve.autoscaling.max_replicas=1")
+                         "serve.max_new_tokens=60000", "serve.autoscaling.max_replicas=1", "serve.max_prompt_tokens=200")
     endpoint = deploy(plan_deployment(spec))
     try:
         assert endpoint.plan.kind == "chat"
@@ -174,6 +175,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
             return metric_sum(text, "ray_flotilla_batch_size_count", model="instruct-lora") > single
 
         wait_for(shared, 90, "a chat batch of more than one request in Ray's Prometheus export", interval_s=3)
+        _one_request_never_fails_its_batch_mates(endpoint.url, expected)
         # What it cannot do is refused in OpenAI's error shape, naming the field.
         with pytest.raises(UnprocessableEntityError, match="only n=1 is supported"):
             client.chat.completions.create(model="instruct-lora", messages=question, n=2)
@@ -237,6 +239,84 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         assert error["type"] == "server_error" and "(serve.request_timeout_s)" in error["message"], error
     finally:
         serve.shutdown()
+
+
+CHAT_FUZZ_CASES = 600  # per route: 1,200 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
+
+
+def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):
+    """Hypothesis draws bodies for both OpenAI routes from the schemas the chat app publishes
+    (`hypothesis-jsonschema` over its `/openapi.json`), half of them naming the served model with a
+    few tokens so that they generate, beside any JSON at all, raw bytes and wrong Content-Types;
+    sent 8 at a time, so that they share batches. No answer is a 5xx, no stream ends with a server
+    error, and the endpoint answers a valid request afterwards."""
+    from hypothesis import strategies as st
+    from hypothesis_jsonschema import from_schema
+    from ray import serve
+
+    from flotilla.serve import deploy, plan_deployment
+
+    spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
+                         "serve.max_new_tokens=4", "serve.autoscaling.max_replicas=1", "serve.max_prompt_tokens=256")
+    endpoint = deploy(plan_deployment(spec))
+    try:
+        served = {"model": st.just("instruct-lora"), "max_tokens": st.integers(1, 4) | st.none()}
+        statuses, server_errors = {}, []
+        for route in ("/v1/chat/completions", "/v1/completions"):
+            published = from_schema(published_body(endpoint.url, route))
+            bodies = published | published.flatmap(
+                lambda b: st.fixed_dictionaries(served).map(lambda fix: {**b, **fix})) | any_json()
+            statuses[route], errors = fuzz(endpoint.url + route, bodies, CHAT_FUZZ_CASES)
+            server_errors += [(route, *e) for e in errors]
+        print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
+        assert not server_errors, server_errors[:5]
+        assert sum(sum(c.values()) for c in statuses.values()) >= 1000, statuses
+        assert all(c[200] > 0 for c in statuses.values()), statuses  # valid bodies were drawn too
+        answer = requests.post(endpoint.url + "/v1/completions", json={"model": "instruct-lora", "prompt": "Hi",
+                                                                       "max_tokens": 2}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 2, answer.text
+    finally:
+        serve.shutdown()
+
+
+def _one_request_never_fails_its_batch_mates(url: str, expected: str) -> None:
+    """What once answered 500 to a whole batch (a seed past 64 bits, a temperature that turns the
+    probabilities into NaN) or stalled it (stop strings of 250,000 characters), sent together with
+    valid requests, whole and streamed: each bad one is a 4xx naming its field in OpenAI's shape,
+    each valid one gets its text; a top_p that float32 rounds to 0 keeps the likeliest token."""
+    question = [{"role": "user", "content": "What is 12 plus 7?"}]
+    base = {"model": "instruct-lora", "messages": question, "max_tokens": 10}
+    bad = [({"seed": 2**70}, "seed", "less than or equal to 9223372036854775807"),
+           ({"temperature": 1e-300}, "temperature", "temperature of at least 0.01"),
+           ({"stop": ["x" * 250_000] * 3}, "stop", "at most 256 characters"),
+           ({"logit_bias": {str(i): 1 for i in range(1000)}}, "logit_bias", "at most 300 token ids"),
+           ({"messages": [{"role": "user", "content": "seven " * 300}]}, "messages", "(serve.max_prompt_tokens)")]
+    good = [{"temperature": 0}, {"temperature": 1.0, "top_p": 1e-300, "seed": 3}, {"temperature": 0, "stream": True},
+            {"temperature": 1.0, "top_p": 1e-300, "stream": True}]
+
+    def send(extra: dict) -> tuple[int, object]:
+        r = requests.post(url + "/v1/chat/completions", json={**base, **extra}, timeout=120)
+        if r.status_code != 200:
+            return r.status_code, r.json()
+        if not extra.get("stream"):
+            return 200, r.json()["choices"][0]["message"]["content"]
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        return 200, "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                            if json.loads(e)["choices"])
+
+    with ThreadPoolExecutor(len(bad) + len(good)) as pool:
+        for _ in range(3):  # arriving together, they share batches
+            answers = list(pool.map(send, [extra for extra, _, _ in bad] + good))
+            for (status, body), (_, field, says) in zip(answers, bad):
+                assert status == 422 and body["error"]["param"] == field and says in body["error"]["message"], body
+                assert body["error"]["type"] == "invalid_request_error"
+            assert answers[len(bad):] == [(200, expected)] * len(good), answers[len(bad):]
+    # The framework's own errors speak OpenAI's shape too; a body without a Content-Type is a 415.
+    nowhere = requests.get(url + "/v1/nowhere", timeout=30)
+    assert nowhere.status_code == 404 and "no route /v1/nowhere" in nowhere.json()["error"]["message"], nowhere.text
+    untyped = requests.post(url + "/v1/chat/completions", data=json.dumps(base), timeout=30)
+    assert untyped.status_code == 415 and "Content-Type" in untyped.json()["error"]["message"], untyped.text
 
 
 def _clients_that_leave_stop_their_generation(url: str, eos: int) -> None:

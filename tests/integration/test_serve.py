@@ -26,9 +26,9 @@ import requests
 from flotilla.bundle import load_bundle
 from flotilla.spec import load_spec
 from tests.conftest import GPT_TEST
-from tests.integration._helpers import (ROOT, assert_leaving_clients_stop_generating, digits_spec, digits_val_rows,
-                                        haproxy_processes, messy_table, metric_sum, metrics_text, store_uri, tables_spec,
-                                        wait_for)
+from tests.integration._helpers import (ROOT, any_json, assert_leaving_clients_stop_generating, digits_spec,
+                                        digits_val_rows, fuzz, haproxy_processes, messy_table, metric_sum, metrics_text,
+                                        published_body, store_uri, tables_spec, wait_for)
 from tests.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -260,6 +260,7 @@ def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
         ("chunked, too large", url, chunked(300_000), json_type, 413, "over 100000 bytes"),
         ("form body", url, "instances=1", {"content-type": "application/x-www-form-urlencoded"}, 415, "Content-Type: application/json"),
         ("text body", gen, '{"prompt": "x"}', {"content-type": "text/plain"}, 415, "Content-Type: application/json"),
+        ("no Content-Type", url, '{"instances": [[0]]}', {}, 415, "no Content-Type header"),
         ("seed beyond int64", gen, json.dumps({"prompt": "x", "seed": 2**64}), json_type, 422, "seed: Input should be less than"),
         ("top_k beyond int64", gen, json.dumps({"prompt": "x", "top_k": 2**70}), json_type, 422, "top_k: Input should be less than"),
         ("vanishing temperature", gen, '{"prompt": "x", "temperature": 1e-320}', json_type, 422, "temperature of at least 0.01"),
@@ -270,6 +271,12 @@ def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
         if r.status_code != status or message not in r.text:
             wrong.append((what, r.status_code, r.text[:300]))
     assert not wrong, wrong
+    # A body of thousands of bad rows (under the size limit) is answered with the first 20 problems
+    # and a count of the rest, in under 16 KB.
+    many = json.dumps({"instances": [[[1]] * 10] * 1000})  # 10,000 values that are no feature value
+    r = requests.post(url, data=many, headers=json_type, timeout=60)
+    assert r.status_code == 422 and len(r.content) < 16 * 1024, (r.status_code, len(r.content))
+    assert len(r.json()["fields"]) == 21 and "9980 more problems" in r.json()["fields"][-1]["message"], r.json()["fields"][-1]
     # The largest seed a generator takes still answers, and so do both endpoints afterwards.
     assert post(gen, {"prompt": "x", "max_tokens": 2, "seed": 2**63 - 1, "temperature": 0.01}).status_code == 200
     assert post(url, {"instances": val_rows(served, 1).to_numpy().tolist()}).status_code == 200
@@ -280,69 +287,44 @@ FUZZ_CASES = 2000  # per endpoint
 
 
 def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
-    """Hypothesis draws request bodies for each endpoint, from the shape its schema documents to any
-    JSON at all, with NaN, Infinity, integers past int64, unknown fields, raw bytes and the wrong
-    Content-Type; the same cases every run (derandomized). Every answer is a 2xx or a 4xx: the first
-    run found 500s for rows whose values the model overflows on (1e308), now a 422 naming the rows."""
-    from hypothesis import HealthCheck, given, settings
+    """Hypothesis draws request bodies for each endpoint: from the body schema the app publishes in
+    its OpenAPI document (`hypothesis-jsonschema`), from the shape it documents with what a column
+    cannot take, and any JSON at all, with NaN, Infinity, integers past int64, unknown fields, raw
+    bytes and the wrong Content-Type; the same cases every run (derandomized). Every answer is a
+    2xx or a 4xx: the first run found 500s for rows whose values the model overflows on (1e308),
+    now a 422 naming the rows."""
     from hypothesis import strategies as st
+    from hypothesis_jsonschema import from_schema
 
     url, gen = served["classifier"].url + "/predict", served["generator"].url + "/generate"
     before = replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables")
-    session = requests.Session()
-    statuses: dict[str, Counter] = {"predict": Counter(), "generate": Counter(), "tables": Counter()}
+    statuses: dict[str, Counter] = {}
     server_errors: list[tuple] = []
 
+    anything = any_json()
     big = st.integers(min_value=-(2**70), max_value=2**70)
-    scalars = st.none() | st.booleans() | big | st.floats() | st.text(max_size=12)
-    any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.text(max_size=8), inner, max_size=4), max_leaves=12)
     number = st.floats() | big  # json.dumps writes NaN and Infinity as such
+    published = from_schema(published_body(served["classifier"].url, "/predict"))
     instance = (st.lists(number, min_size=64, max_size=64) | st.lists(number, max_size=70)
                 | st.dictionaries(st.sampled_from([f"pixel_{i}" for i in range(64)]) | st.text(max_size=8), number,
-                                  max_size=66) | any_json)
-    predict = (st.fixed_dictionaries({"instances": st.lists(instance, max_size=3)}, optional={"extra": any_json})
-               | any_json)
-    generate = st.fixed_dictionaries(
-        {"prompt": st.text(max_size=40) | any_json,
+                                  max_size=66) | anything)
+    predict = (published | st.fixed_dictionaries({"instances": st.lists(instance, max_size=3)},
+                                                 optional={"extra": anything}) | anything)
+    generate = (from_schema(published_body(served["generator"].url, "/generate")) | st.fixed_dictionaries(
+        {"prompt": st.text(max_size=40) | anything,
          "max_tokens": st.integers(-3, 3) | st.integers(201, 2**70) | st.floats() | st.text(max_size=3)},
         optional={"temperature": st.floats() | big | st.none(), "top_k": big | st.none(), "seed": big | st.text(max_size=3),
-                  "stream": st.booleans() | big, "extra": any_json}) | any_json
-    content_type = st.just("application/json") | st.sampled_from(
-        ["application/json; charset=utf-8", "application/problem+json", "text/plain", "application/x-www-form-urlencoded",
-         "multipart/form-data", ""])
-
-    def fuzz(endpoint: str, target: str, bodies, examples: int = FUZZ_CASES):
-        cases: list[tuple[bytes, str]] = []
-
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(body=bodies.map(lambda b: json.dumps(b).encode()) | st.binary(max_size=200), kind=content_type)
-        def draw(body: bytes, kind: str):
-            cases.append((body, kind))
-
-        draw()  # the cases first, then sent by 8 clients at once: the same answers, in a quarter of the time
-
-        def send(case):
-            body, kind = case
-            r = session.post(target, data=body, headers={"content-type": kind} if kind else {}, timeout=60)
-            return body, kind, r.status_code, r.text[:300]
-
-        with ThreadPoolExecutor(8) as pool:
-            for body, kind, status, text in pool.map(send, cases):
-                statuses[endpoint][status] += 1
-                if status >= 500:
-                    server_errors.append((endpoint, kind, body[:200], status, text))
-
+                  "stream": st.booleans() | big, "extra": anything}) | anything)
     # A model of a table: the same shapes with what its columns take (strings, booleans, nulls) and what they do not.
-    value = scalars | number
+    value = anything | number
     table_instance = (st.fixed_dictionaries({"city": value, "member": value, "x1": value, "x2": value})
                       | st.lists(value, min_size=4, max_size=4) | instance)
     tables = st.fixed_dictionaries({"instances": st.lists(table_instance, min_size=1, max_size=3)}) | predict
 
-    fuzz("predict", url, predict)
-    fuzz("generate", gen, generate)
-    fuzz("tables", served["tables"].url + "/predict", tables, examples=FUZZ_CASES // 5)
+    for name, target, bodies, examples in (("predict", url, predict, FUZZ_CASES), ("generate", gen, generate, FUZZ_CASES),
+                                           ("tables", served["tables"].url + "/predict", tables, FUZZ_CASES // 5)):
+        statuses[name], errors = fuzz(target, bodies, examples)
+        server_errors += [(name, *e) for e in errors]
     print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
     assert not server_errors, server_errors[:5]
     assert all(sum(c.values()) >= FUZZ_CASES // (5 if k == "tables" else 1) for k, c in statuses.items()), statuses

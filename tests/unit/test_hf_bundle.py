@@ -189,6 +189,12 @@ def test_stop_strings_end_rows_decoded_together_early_with_the_text_each_gets_al
     assert [len(g.decoded) for g in together[:2]] == [g.completion_tokens for g in alone[:2]]  # decoding ended there
     assert len(together[2].decoded) == 60
 
+    # A row whose own settings fail is its error; its batch-mates get their texts.
+    mixed = generations(lambda i: stops[i])
+    mixed[1].settings["seed"] = 2**70
+    answers = decode_together(loaded, mixed)
+    assert isinstance(answers[1], ValueError) and [answers[0], answers[2]] == [texts_alone[0], texts_alone[2]]
+
 
 def test_streams_decoded_together_get_each_token_as_it_is_decoded(trained):
     """The chat endpoint's batched streams: one forward pass per token for all rows, each row's
@@ -228,11 +234,27 @@ def test_streams_decoded_together_get_each_token_as_it_is_decoded(trained):
     assert together[2].completion_tokens == 1000
     assert len(forwards) == 1000  # the prompts, then one pass per token after the first, for all three rows
 
+    # A row whose own sampling fails (a bias for an id past the vocabulary, a seed torch cannot
+    # take) ends with its error; its batch-mates stream what they stream alone.
     broken = generations()
-    broken[1].settings["logit_bias"] = {10**6: 1.0}  # an id past the vocabulary: the batch's decoding fails
+    broken[1].settings["logit_bias"] = {10**6: 1.0}
+    broken[2].max_tokens, broken[2].settings["seed"] = 30, 2**70
+    broken.append(_Generation(loaded, together[2].ids, 30, None, **{**asks[2][2], "seed": 5}))
+    broken[3].feed = queue.SimpleQueue()
+    stream_together(loaded, broken)
+    assert list(broken[0].pieces()) == alone_pieces[0]
+    with pytest.raises(RuntimeError, match="decoding failed: IndexError"):
+        list(broken[1].pieces())
+    with pytest.raises(RuntimeError, match="decoding failed: ValueError"):
+        list(broken[2].pieces())
+    assert "".join(broken[3].pieces()) == "".join(_Generation(loaded, together[2].ids, 30, None,
+                                                              **asks[2][2]).pieces())
+    # A decoding that fails as a whole (a prompt id the model has no embedding for) ends every stream.
+    whole = generations()
+    whole[0].ids = [10**6]
     with pytest.raises(IndexError):
-        stream_together(loaded, broken)
-    for g in broken:
+        stream_together(loaded, whole)
+    for g in whole:
         with pytest.raises(RuntimeError, match="decoding the batch failed: IndexError"):
             list(g.pieces())
     # A stream alone decodes as `generate_ids` does (what whole-text requests alone get); a feed

@@ -143,3 +143,52 @@ def test_the_sse_format():
     status, body = openai_error("model 'x' is not served here", 404)
     assert status == 404 and body["error"]["message"] == "model 'x' is not served here"
     assert body["error"]["type"] == "invalid_request_error" and openai_error("late", 504)[1]["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("seed", 2**70, "less than or equal to 9223372036854775807"),
+    ("seed", -1, "greater than or equal to 0"),
+    ("temperature", 1e-300, "temperature of at least 0.01"),
+    ("top_p", 0.0, "greater than 0"),
+    ("stop", ["x" * 257], "at most 256 characters"),
+    ("logit_bias", {str(i): 1.0 for i in range(301)}, "at most 300 token ids"),
+])
+def test_sampling_parameters_that_would_break_decoding_are_refused_naming_the_field(field, value, says):
+    """What once answered 500 for a whole batch (a seed past 64 bits, a temperature that turns the
+    probabilities into NaN) or made each decoded piece slow (long stop strings, huge biases) is a
+    422 naming the field, for both endpoints."""
+    for schema, body in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}),
+                         (CompletionRequest, {"prompt": "Hi"})):
+        with pytest.raises(ValidationError) as e:
+            schema.model_validate({"model": "m", field: value, **body})
+        status, answer = openai_error(e.value)
+        assert status == 422 and answer["error"]["param"] == field and says in answer["error"]["message"]
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    """top_p is in (0, 1]; one so small that float32 rounds it to 0 still samples the likeliest token."""
+    import torch
+
+    from flotilla.bundle._sampling import sample_next
+
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                 "top_p": 1e-300}).top_p == 1e-300
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    assert {sample_next(logits, 1.0, None, 1e-300, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+
+
+def test_an_error_answer_stays_small_whatever_the_request():
+    """A body of thousands of bad fields lists 20 problems and counts the rest, under 16 KB."""
+    from flotilla.serve._schemas import PredictRequest, listed_fields, validation_fields
+
+    bad = {"instances": [[{"x": 1}] * 50] * 200, "k" * 100_000: 1}
+    with pytest.raises(ValidationError) as e:
+        PredictRequest.model_validate(bad)
+    fields = validation_fields(e.value)
+    assert len(fields) > 1000
+    listed = listed_fields(fields)
+    assert len(listed) == 21 and listed[-1].field == "(more)" and str(len(fields) - 20) in listed[-1].message
+    assert len(json.dumps([f.model_dump() for f in listed])) < 16_000
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "bot", "content": "x"}] * 5000})
+    assert len(json.dumps(openai_error(e.value)[1])) < 16_000

@@ -194,3 +194,46 @@ def test_the_wrapper_goes_where_programs_may_run_and_auto_falls_back_to_the_prox
     assert runtime.haproxy_environment("haproxy") == {**runtime.HAPROXY_ENV, runtime.DRAIN_ENV: runtime.DRAIN_S}
     monkeypatch.setattr(runtime, "haproxy_wrapper", lambda directory=None: tmp_path / "haproxy")
     assert runtime.haproxy_environment("auto")[runtime.HAPROXY_BINARY_ENV] == str(tmp_path / "haproxy")
+
+
+def test_each_app_answers_every_error_in_its_one_shape():
+    """An unexpected exception (500), an unknown route (404) and a wrong method (405): the chat app
+    answers them in OpenAI's shape, the others in Flotilla's; nothing as FastAPI's `{"detail"}`."""
+    import asyncio
+    import json
+
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+
+    from flotilla.serve._chat import chat_api
+    from flotilla.serve._server import classifier_api, generator_api
+
+    request = Request({"type": "http", "method": "DELETE", "path": "/v1/nowhere", "headers": [], "query_string": b""})
+    for api in (chat_api, classifier_api, generator_api):
+        for exc, status, says in ((RuntimeError("boom"), 500, "internal error (RuntimeError)"),
+                                  (HTTPException(404), 404, "no route /v1/nowhere"),
+                                  (HTTPException(405), 405, "DELETE is not allowed on /v1/nowhere")):
+            handler = api.exception_handlers[HTTPException if isinstance(exc, HTTPException) else Exception]
+            answer = asyncio.run(handler(request, exc))
+            body = json.loads(answer.body)
+            assert answer.status_code == status
+            if api is chat_api:
+                assert set(body) == {"error"} and says in body["error"]["message"], body
+                assert body["error"]["type"] == ("server_error" if status == 500 else "invalid_request_error")
+            else:
+                assert body["status"] == status and says in body["error"], body
+
+
+def test_an_error_answer_quoting_the_request_stays_under_16_kb():
+    """Fields that quote what the client sent (its keys, in any script) are cut and counted."""
+    from flotilla.serve._schemas import ErrorField
+    from flotilla.serve._server import ApiError
+
+    quoted = "\u0001" * 5000  # escaped as \u0001 in JSON: six bytes each
+    fields = [ErrorField(field=f"instances[{i}].{quoted}", message="\U0001f600" * 5000) for i in range(5000)]
+    answer = ApiError(422, "invalid request: " + "\u00e9" * 50_000, fields).response()
+    assert answer.status_code == 422 and len(answer.body) <= 16 * 1024
+    import json
+
+    body = json.loads(answer.body)
+    assert body["fields"] and "more characters" in body["fields"][0]["field"] and "more characters" in body["error"]

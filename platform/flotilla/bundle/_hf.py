@@ -154,31 +154,49 @@ class HFBundle:
     @torch.inference_mode()
     def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
                            ended: list[Any] | None = None, on_token: Callable[[int, int], bool] | None = None,
-                           on_end: Callable[[int], None] | None = None) -> list[list[int]]:
+                           on_end: Callable[[int], None] | None = None,
+                           on_error: Callable[[int, Exception], None] | None = None) -> list[list[int]]:
         """Several prompts decoded together, one forward pass per token for all of them: each row
         the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
         `temperature`, `top_p`, `seed`, `logit_bias`). The prompts are left-padded, masked, and
         each row's positions start at its first real token. A row ends at an end-of-text token,
         after its `max_tokens`, once its event in `ended` (a `threading.Event`) is set, or after a
         token for which `on_token(row, token)` answers true (a stop string has appeared); then
-        `on_end(row)` is called, once. When every row has ended, no more forward passes run."""
+        `on_end(row)` is called, once. When every row has ended, no more forward passes run.
+        A row whose own settings fail (its seed, its sampling) ends alone: `on_error(row, error)`
+        is told (without one, the first such error is raised once the other rows are done)."""
         device, stops = self.device, self.stop_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = max(map(len, prompts))
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         tokens = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=device)
-        generators = [torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None
-                      for s in settings]
-        biases = [logit_bias_tensors(s.get("logit_bias")) for s in settings]
         out_ids: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
+        errors: list[Exception] = []
 
         def end(row: int) -> None:
             if not done[row]:
                 done[row] = True
                 if on_end is not None:
                     on_end(row)
+
+        def fail(row: int, error: Exception) -> None:
+            if on_error is None:
+                errors.append(error)
+            else:
+                on_error(row, error)
+            end(row)
+
+        def sampler(row: int, s: dict[str, Any]):
+            try:
+                return (torch.Generator().manual_seed(s["seed"]) if s.get("seed") is not None else None,
+                        logit_bias_tensors(s.get("logit_bias")))
+            except Exception as e:  # a seed torch cannot take, a bias it cannot hold: this row's own
+                fail(row, e)
+                return None, None
+
+        generators, biases = zip(*(sampler(i, s) for i, s in enumerate(settings)))
 
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
         for step in range(max(int(s["max_tokens"]) for s in settings)):
@@ -187,8 +205,12 @@ class HFBundle:
                 if done[i] or step >= int(s["max_tokens"]) or (ended is not None and ended[i].is_set()):
                     end(i)
                     continue
-                token = sample_next(logits[i], float(s.get("temperature", 1.0)), None, float(s.get("top_p", 1.0)),
-                                generators[i], biases[i])
+                try:
+                    token = sample_next(logits[i], float(s.get("temperature", 1.0)), None,
+                                        float(s.get("top_p", 1.0)), generators[i], biases[i])
+                except Exception as e:  # this row's sampling (its temperature, bias): the others go on
+                    fail(i, e)
+                    continue
                 if token in stops:
                     end(i)
                     continue
@@ -205,6 +227,8 @@ class HFBundle:
                              use_cache=True)
         for row in range(len(prompts)):  # (rows that asked for no tokens at all)
             end(row)
+        if errors:
+            raise errors[0]
         return out_ids
 
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,

@@ -42,4 +42,5 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     first add up to `top_p`; at least one) set to -inf."""
     probs, order = torch.softmax(logits, -1).sort(descending=True)
     outside = probs.cumsum(-1) - probs >= top_p  # tokens whose predecessors already reach top_p
+    outside[0] = False  # the most likely token stays, however small top_p (1e-300 is 0 in float32)
     return logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))

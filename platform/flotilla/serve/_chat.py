@@ -46,9 +46,20 @@ from flotilla.serve._openai import (
 )
 from flotilla.serve._replica_config import ReplicaConfig
 from flotilla.serve._schemas import ErrorField
-from flotilla.serve._server import ApiError, _api, _by_version, _ModelServer, logger
+from flotilla.serve._server import ApiError, _api, _body_schema, _by_version, _ModelServer, logger
 
-chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.")
+
+
+def openai_response(error: ApiError) -> Response:
+    """An error in OpenAI's shape, which its clients read (`param`: the first field named)."""
+    status, body = openai_error(error.message, error.status)
+    if error.fields:
+        body["error"]["param"] = error.fields[0].field
+    return JSONResponse(body, status_code=status, headers=error.headers)
+
+
+chat_api = _api("Flotilla chat", "OpenAI-compatible completions from a fine-tuned pretrained language model.",
+                openai_response)
 
 
 class _Generation:
@@ -64,10 +75,13 @@ class _Generation:
         self.completion_tokens, self.finish, self.text = 0, "stop", ""
         self.done = False  # the text is complete (not cut short by a timeout or a client gone)
         self.decoded: list[int] | None = None  # its tokens, when decoded together with others (Chat._forward)
+        self.error: Exception | None = None  # why its own row failed, when decoded together with others
         self.feed: queue.SimpleQueue | None = None  # its tokens as a batch of streams decodes them, then None
         self.token_wait_s: float | None = None  # how long to wait for the feed's next token
 
     def _tokens(self) -> Iterator[int]:
+        if self.error is not None:
+            raise self.error
         if self.decoded is not None:
             source = self.decoded
         elif self.feed is not None:
@@ -107,7 +121,7 @@ class _Generation:
                     yield held[:cut]
                 self.done = True
                 return
-            keep = max((k for s in self.stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+            keep = _held_back(held, self.stops)
             if len(held) > keep:
                 self.text += held[:len(held) - keep]
                 yield held[:len(held) - keep]
@@ -143,34 +157,58 @@ class _Generation:
                      total_tokens=len(self.ids) + self.completion_tokens)
 
 
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string (the longest such end)."""
+    keep = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), keep, -1):  # longest first: the first match is it
+            if text.endswith(stop[:k]):
+                keep = k
+                break
+    return keep
+
+
 def _fields(field: str, message: str):
 
     return [ErrorField(field=field, message=message)]
 
 
-def _decode_batch(bundle, generations: list[_Generation], on_token, on_end=None) -> list[list[int]]:
+def _decode_batch(bundle, generations: list[_Generation], on_token, on_end=None, on_error=None) -> list[list[int]]:
     """`HFBundle.generate_ids_batch` for these generations: their prompts and settings, each row
-    ended by its `cancel` too."""
+    ended by its `cancel` too; a row that fails alone is told to `on_error` (by default kept as its
+    generation's `error`), its batch-mates go on."""
+
+    def keep(row: int, error: Exception) -> None:
+        generations[row].error = error
+
     return bundle.generate_ids_batch([g.ids for g in generations],
                                      [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
-                                     [g.cancel for g in generations], on_token, on_end)
+                                     [g.cancel for g in generations], on_token, on_end, on_error or keep)
 
 
 def decode_together(bundle, generations: list[_Generation]) -> list[str]:
     """The texts of several generations of one bundle, decoded together
     (`HFBundle.generate_ids_batch`): each the text it gets alone; a row ends once its stop string
-    has appeared, or when its `cancel` is set."""
+    has appeared, or when its `cancel` is set. A row that failed alone is its exception, returned."""
     seen = [g.stop_seen() for g in generations]
     decoded = _decode_batch(bundle, generations, lambda row, token: seen[row](token))
     for g, tokens in zip(generations, decoded):
         g.decoded = tokens
-    return ["".join(g.pieces()) for g in generations]
+    return [_text_or_error(g) for g in generations]
+
+
+def _text_or_error(generation: _Generation) -> str | Exception:
+    try:
+        return "".join(generation.pieces())
+    except Exception as e:
+        return e
 
 
 def stream_together(bundle, generations: list[_Generation]) -> None:
     """Streams of one bundle decoded together: each token goes into its generation's `feed` as soon
-    as it is decoded, a None when its row has ended (at its stop string too), the error in every
-    feed still open if the decoding fails."""
+    as it is decoded, a None when its row has ended (at its stop string too); a row that fails
+    alone gets its error in its feed, and the error goes in every feed still open if the decoding
+    itself fails."""
     open_rows = set(range(len(generations)))
 
     def on_end(row: int) -> None:
@@ -191,7 +229,9 @@ def stream_together(bundle, generations: list[_Generation]) -> None:
                     break
             on_end(0)
         else:
-            _decode_batch(bundle, generations, on_token, on_end)
+            _decode_batch(bundle, generations, on_token, on_end,
+                          lambda row, error: generations[row].feed.put(
+                              RuntimeError(f"decoding failed: {type(error).__name__}: {error}")))
     except BaseException as e:
         for row in sorted(open_rows):  # each stream its own error (one exception raised in many threads tangles)
             generations[row].feed.put(RuntimeError(f"decoding the batch failed: {type(e).__name__}: {e}"))
@@ -227,11 +267,7 @@ class Chat(_ModelServer):
         list(bundle.generate_ids(bundle.encode("Hi"), max_tokens=1, temperature=0.0))
 
     def error_response(self, error: ApiError) -> Response:
-        """OpenAI's error shape, which its clients read (`param`: the first field named)."""
-        status, body = openai_error(error.message, error.status)
-        if error.fields:
-            body["error"]["param"] = error.fields[0].field
-        return JSONResponse(body, status_code=status, headers=error.headers)
+        return openai_response(error)
 
     @chat_api.get("/", summary="What this endpoint serves")
     def describe(self) -> dict[str, Any]:
@@ -242,11 +278,13 @@ class Chat(_ModelServer):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "flotilla"}]}
 
-    @chat_api.post("/v1/chat/completions", summary="The assistant's next message (OpenAI chat completions)")
+    @chat_api.post("/v1/chat/completions", summary="The assistant's next message (OpenAI chat completions)",
+                   openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self.answer(request, lambda: self._complete(request, ChatCompletionRequest, chat=True))
 
-    @chat_api.post("/v1/completions", summary="Continue a prompt (OpenAI completions)")
+    @chat_api.post("/v1/completions", summary="Continue a prompt (OpenAI completions)",
+                   openapi_extra=_body_schema(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self.answer(request, lambda: self._complete(request, CompletionRequest, chat=False))
 
@@ -314,6 +352,11 @@ class Chat(_ModelServer):
             raise ApiError(422, f"invalid request: {field}: {asked} is above this endpoint's limit of {cap} "
                                 "(serve.max_new_tokens)", _fields(field, f"at most {cap}"))
         limit = asked or cap
+        most = self.limits.max_prompt_tokens
+        if prompt_tokens > most:
+            raise ApiError(422, f"invalid request: the prompt is {prompt_tokens} tokens; this endpoint takes at most "
+                                f"{most} (serve.max_prompt_tokens)",
+                           _fields("messages" if chat else "prompt", f"at most {most} tokens"))
         room = bundle.max_positions
         if room is not None and prompt_tokens + limit > room:
             if prompt_tokens >= room:
@@ -332,25 +375,29 @@ class Chat(_ModelServer):
         timeout (504) or a client that goes away ends its generation after the current token."""
         start = time.perf_counter()
         try:
-            return await self._forward((version, generation.bundle, generation))
+            text = await self._forward((version, generation.bundle, generation))
+            if isinstance(text, Exception):  # its own row failed; its batch-mates have their texts
+                logger.error("generation of %s v%s failed", self.model_name, version, exc_info=text)
+                raise ApiError(500, f"generation failed ({type(text).__name__}); see the replica log")
+            return text
         finally:
             generation.cancel.set()
             self._observe(version, generation, start)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
-    async def _forward(self, items: list[tuple[str, Any, _Generation]]) -> list[str]:
+    async def _forward(self, items: list[tuple[str, Any, _Generation]]) -> list[str | Exception]:
         """`@serve.batch` groups the whole-text requests that arrive together
         (`serve.batching.generate_wait_s`); each group of one version decodes in one forward pass per
         token (`HFBundle.generate_ids_batch`) in a thread of its own, so a request that arrives while
         others generate starts at once. Each request gets the text it gets alone: its own sampling
         and seed, its decoding ended by its own stop strings. Streams batch apart (`_stream_together`)."""
-        results: list[str] = [""] * len(items)
+        results: list[str | Exception] = [""] * len(items)
         for version, idx in _by_version(items).items():
             bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
             if len(generations) > 1:
                 texts = await asyncio.to_thread(decode_together, bundle, generations)
             else:
-                texts = [await asyncio.to_thread(lambda: "".join(generations[0].pieces()))]
+                texts = [await asyncio.to_thread(_text_or_error, generations[0])]
             self.m_batch.observe(len(idx), tags={"model": self.model_name, "version": version})
             for i, text in zip(idx, texts):
                 results[i] = text

@@ -21,10 +21,22 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Option
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from flotilla.serve._schemas import validation_fields
+from flotilla.serve._schemas import (
+    INT64_MAX,
+    MAX_ERROR_MESSAGE,
+    MAX_LISTED_ERRORS,
+    MIN_TEMPERATURE,
+    fields_summary,
+    shorten,
+    validation_fields,
+)
 
 Number = Annotated[float, AllowInfNan(False)]
 MAX_STOPS = 4  # OpenAI's limit
+# Each decoded piece is checked against every stop string, holding back text that could begin
+# one: the work per piece grows with the stops' length, so a stop string has a length limit.
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300  # token ids in `logit_bias` (OpenAI's limit)
 SSE_DONE = b"data: [DONE]\n\n"
 
 # OpenAI parameters this server does not implement, and the values that mean "not used".
@@ -64,17 +76,18 @@ class _Request(_Body):
     model: str = Field(..., description="The served model's name (the registered model); checked by the server.")
     max_tokens: Optional[Annotated[int, Strict()]] = Field(
         None, ge=1, description="Most tokens to generate; null: the deployment's limit.")
-    temperature: Optional[Number] = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    temperature: Optional[Number] = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature: 0 is greedy, "
+                                          f"else {MIN_TEMPERATURE} to 2.")
     top_p: Optional[Number] = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: the smallest set of tokens "
-                                    "whose probabilities add up to top_p.")
+                                    "whose probabilities add up to top_p (at least the most likely one).")
     n: Optional[Annotated[int, Strict()]] = Field(1, description="Choices to generate; only 1 is supported.")
-    stop: Union[str, list[str], None] = Field(None, description=f"Up to {MAX_STOPS} strings that end the text "
-                                              "(not included in it).")
-    seed: Optional[Annotated[int, Strict()]] = Field(None, description="Seed of the sampler: the same seed and "
-                                                     "input give the same text.")
+    stop: Union[str, list[str], None] = Field(None, description=f"Up to {MAX_STOPS} strings of at most "
+                                              f"{MAX_STOP_CHARS} characters that end the text (not included in it).")
+    seed: Optional[Annotated[int, Strict()]] = Field(None, ge=0, le=INT64_MAX, description="Seed of the sampler "
+                                                     "(0 to 2^63-1): the same seed and input give the same text.")
     logit_bias: Optional[dict[str, Number]] = Field(
-        None, description="Token ids (as strings, e.g. \"13\") mapped to a bias from -100 to 100 added to their "
-        "logits before sampling: -100 bans a token, 100 all but forces it.")
+        None, description=f"Up to {MAX_LOGIT_BIAS} token ids (as strings, e.g. \"13\") mapped to a bias from -100 "
+        "to 100 added to their logits before sampling: -100 bans a token, 100 all but forces it.")
     stream: Optional[bool] = Field(False, description="Send the text as server-sent events as it is generated.")
     stream_options: Optional[StreamOptions] = Field(None, description="With `stream`: `include_usage`.")
     # Accepted, not implemented: each must keep its default (see _DEFAULT_ONLY).
@@ -95,17 +108,30 @@ class _Request(_Body):
             raise ValueError("only n=1 is supported; leave `n` out, or send one request per choice")
         return 1
 
+    @field_validator("temperature")
+    @classmethod
+    def _not_vanishing(cls, value: float | None) -> float | None:
+        # Logits divided by a temperature near 0 overflow to infinity and sampling breaks down.
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"use 0 for greedy decoding, or a temperature of at least {MIN_TEMPERATURE}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise ValueError(f"`stop` is a non-empty string or a list of at most {MAX_STOPS} of them")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters; got one of "
+                             f"{max(map(len, stops))}")
         return stops
 
     @field_validator("logit_bias")
     @classmethod
     def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids; got {len(value)}")
         for key, bias in (value or {}).items():
             if not re.fullmatch(r"[0-9]{1,9}", key):
                 raise ValueError(f"keys are token ids, such as \"13\"; got {key!r}")
@@ -362,12 +388,12 @@ def openai_error(error: ValidationError | str, status: int = 422) -> tuple[int, 
     """The status and body for a refused request: each field's problem, the first field as `param`
     (OpenAI's types: `invalid_request_error` for what the caller can fix, `server_error` from 500 on)."""
     if isinstance(error, str):
-        detail = OpenAIErrorDetail(message=error, type="invalid_request_error" if status < 500 else "server_error")
+        detail = OpenAIErrorDetail(message=shorten(error, MAX_ERROR_MESSAGE), type="invalid_request_error" if status < 500 else "server_error")
         return status, OpenAIError(error=detail).model_dump()
 
     fields = validation_fields(error)
-    message = "; ".join(f"{f.field}: {f.message}" for f in fields)
-    param = fields[0].field if fields and fields[0].field != "(body)" else None
+    message = fields_summary(fields, MAX_LISTED_ERRORS)
+    param = shorten(fields[0].field) if fields and fields[0].field != "(body)" else None
     detail = OpenAIErrorDetail(message=message, type="invalid_request_error", param=param, code="invalid_value")
     return status, OpenAIError(error=detail).model_dump()
 

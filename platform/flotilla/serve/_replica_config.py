@@ -39,6 +39,7 @@ class ReplicaLimits(_Strict):
     max_body_bytes: int = Field(gt=0)
     max_instances: int = Field(ge=1)
     max_new_tokens: int = Field(ge=1)
+    max_prompt_tokens: int = Field(8192, ge=1)
     request_timeout_s: float = Field(gt=0)
     sticky_header: str
     num_cpus: int = Field(ge=1)  # torch threads
@@ -51,6 +52,7 @@ class ReplicaLimits(_Strict):
         """From the spec's `serve` section (a `flotilla.spec.ServeSpec`)."""
         return cls(
             max_body_bytes=s.max_body_bytes, max_instances=s.max_instances, max_new_tokens=s.max_new_tokens,
+            max_prompt_tokens=s.max_prompt_tokens,
             request_timeout_s=s.request_timeout_s, sticky_header=s.sticky_header,
             num_cpus=max(1, math.floor(s.replica.num_cpus)) if s.replica.num_cpus else 1,
             num_gpus=s.replica.num_gpus, allow_factories=tuple(s.allow_factories), runtime=s.runtime,

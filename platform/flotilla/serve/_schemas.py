@@ -41,6 +41,13 @@ Value = Annotated[
 ]
 INT64_MAX = 2**63 - 1  # what a seed or a count may be: torch takes 64-bit integers
 MIN_TEMPERATURE = 0.01
+# An error answer stays small whatever the request: a body of many bad rows lists the first
+# MAX_LISTED_ERRORS problems (and counts the rest), each path and message cut to MAX_ERROR_TEXT
+# characters, so it cannot be turned into an answer many times the size of the request.
+MAX_LISTED_ERRORS = 20
+MAX_ERROR_TEXT = 200
+MAX_ERROR_MESSAGE = 2000
+MAX_ERROR_BYTES = 16 * 1024  # an error answer's body at most
 
 
 def _instance_form(value: Any) -> str | None:
@@ -148,6 +155,28 @@ def validation_fields(error: ValidationError) -> list[ErrorField]:
     return fields
 
 
+def shorten(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """`text`, cut to `limit` characters (with how many more there were)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def listed_fields(fields: list[ErrorField]) -> list[ErrorField]:
+    """The problems an error answer lists: at most MAX_LISTED_ERRORS, each shortened, and one
+    entry `(more)` saying how many were left out."""
+    listed = [ErrorField(field=shorten(f.field), message=shorten(f.message)) for f in fields[:MAX_LISTED_ERRORS]]
+    if len(fields) > MAX_LISTED_ERRORS:
+        listed.append(ErrorField(field="(more)", message=f"{len(fields) - MAX_LISTED_ERRORS} more problems not "
+                                 "listed; fix these first"))
+    return listed
+
+
+def fields_summary(fields: list[ErrorField], count: int = 5) -> str:
+    """The first few problems on one line, as error messages begin."""
+    summary = "; ".join(f"{shorten(f.field)}: {shorten(f.message)}" for f in fields[:count])
+    return summary + (f"; and {len(fields) - count} more" if len(fields) > count else "")
+
+
 def schema_of(model: type[BaseModel]) -> dict:
-    """The request body as an OpenAPI schema (for `/docs`), with nested definitions inlined."""
-    return model.model_json_schema(ref_template="#/components/schemas/{model}")
+    """The request body as an OpenAPI schema (for `/docs`, and what a fuzzer generates bodies
+    from): self-contained, its nested definitions under its own `$defs`."""
+    return model.model_json_schema()

@@ -28,6 +28,7 @@ import pandas as pd
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from flotilla.bundle import serving_app
@@ -35,13 +36,18 @@ from flotilla.data._columns import as_category, numeric_matrix
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
 from flotilla.serve._schemas import (
+    MAX_ERROR_BYTES,
+    MAX_ERROR_MESSAGE,
     ErrorField,
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
     PredictRequest,
     PredictResponse,
+    fields_summary,
+    listed_fields,
     schema_of,
+    shorten,
     validation_fields,
 )
 from flotilla.track import load_registered_bundle, registry_client
@@ -51,27 +57,44 @@ VERSION_HEADER = "X-Model-Version"
 RUNTIME_HEADER = "X-Model-Runtime"
 LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+PARSE_ON_LOOP_BYTES = 16 * 1024  # larger bodies are parsed and validated in a thread
+ROWS_ON_LOOP = 64  # more instances are checked against the model's columns in a thread
 
 
 class ApiError(Exception):
     """An answer other than 200, with a body that says why."""
 
     def __init__(self, status: int, message: str, fields: list[ErrorField] | None = None, headers=None):
+        message = shorten(message, MAX_ERROR_MESSAGE)
         super().__init__(message)
-        self.status, self.message, self.fields, self.headers = status, message, fields or [], headers
+        self.status, self.message, self.fields, self.headers = status, message, listed_fields(fields or []), headers
 
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=self.message, status=self.status, fields=self.fields)
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        fields = list(self.fields)
+        while True:  # under MAX_ERROR_BYTES, whatever characters the fields quote (the message alone fits)
+            body = ErrorResponse(error=self.message, status=self.status, fields=fields).model_dump_json().encode()
+            if len(body) <= MAX_ERROR_BYTES or not fields:
+                return Response(body, status_code=self.status, headers=self.headers, media_type="application/json")
+            fields.pop()
 
 
-def _api(title: str, description: str) -> FastAPI:
+def _api(title: str, description: str,
+         respond: Callable[[ApiError], Response] = ApiError.response) -> FastAPI:
+    """An app whose every error, its own and the framework's (an unknown path 404, a wrong method
+    405, an unexpected exception 500), is answered by `respond` in the app's one error shape."""
     api = FastAPI(title=title, description=description, version="1")
 
+    @api.exception_handler(StarletteHTTPException)
+    async def _framework(request: Request, exc: StarletteHTTPException) -> Response:
+        message = {404: f"no route {request.url.path}; see /docs for this endpoint's routes",
+                   405: f"{request.method} is not allowed on {request.url.path}; see /docs"}.get(exc.status_code,
+                                                                                                 str(exc.detail))
+        return respond(ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
     @api.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug, not the client's fault
+    async def _unexpected(request: Request, exc: Exception) -> Response:  # a bug, not the client's fault
         logger.exception("unhandled error on %s", request.url.path)
-        return ApiError(500, f"internal error ({type(exc).__name__}); see the replica log").response()
+        return respond(ApiError(500, f"internal error ({type(exc).__name__}); see the replica log"))
 
     return api
 
@@ -209,6 +232,8 @@ class _ModelServer:
         start = time.perf_counter()
         try:
             answer = await run(version, self.bundles[version])
+            if isinstance(answer, Exception):  # a batched forward's answer for this request alone
+                raise answer
         except Exception as e:  # a shadow failure must never reach a caller
             logger.warning("shadow v%s failed: %s: %s", version, type(e).__name__, e)
             self.m_shadow.inc(tags={**tags, "agree": "error"})
@@ -242,12 +267,14 @@ class _ModelServer:
         return self.split.pick(caller)
 
     async def read_body(self, request: Request, schema):
-        """The request's JSON body validated against `schema`: a wrong type (415) or size (413) is
-        refused before parsing, JSON too deep or malformed gets 400, what fails the schema 422."""
+        """The request's JSON body validated against `schema`: a missing or wrong type (415) or a
+        size (413) is refused before parsing, JSON too deep or malformed gets 400, what fails the
+        schema 422. A large body is parsed and validated in a thread, off the replica's event loop."""
         kind = request.headers.get("content-type")
-        if kind is not None and not _is_json(kind):
-            raise ApiError(415, f"request body is {kind.split(';')[0].strip() or 'untyped'}; send JSON with the "
-                                "header `Content-Type: application/json`")
+        if kind is None or not _is_json(kind):
+            sent = "untyped (no Content-Type header)" if kind is None else kind.split(";")[0].strip() or "untyped"
+            raise ApiError(415, f"request body is {sent}; send JSON with the header "
+                                "`Content-Type: application/json`")
         declared = request.headers.get("content-length")
         limit = self.limits.max_body_bytes
         if declared and declared.isdigit() and int(declared) > limit:
@@ -258,8 +285,14 @@ class _ModelServer:
             if size > limit:
                 raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
             chunks.append(chunk)
+        raw = b"".join(chunks)
+        if len(raw) > PARSE_ON_LOOP_BYTES:
+            return await asyncio.to_thread(self._parse, raw, schema)
+        return self._parse(raw, schema)
+
+    def _parse(self, raw: bytes, schema):
         try:
-            obj = json.loads(b"".join(chunks))
+            obj = json.loads(raw)
         except RecursionError:  # the parser recurses per level; the schemas allow 3 ({"instances": [[...]]})
             raise ApiError(400, f"request body nests arrays or objects too deeply; send a JSON object like "
                                 f"{self.example}") from None
@@ -269,8 +302,7 @@ class _ModelServer:
             return schema.model_validate(obj)
         except ValidationError as e:
             fields = validation_fields(e)
-            summary = "; ".join(f"{f.field}: {f.message}" for f in fields[:5])
-            raise ApiError(422, f"invalid request: {summary}", fields) from None
+            raise ApiError(422, f"invalid request: {fields_summary(fields)}", fields) from None
 
     async def answer(self, request: Request, handler) -> Response:
         """Run `handler`, turning client errors into their status and recording metrics either way."""
@@ -329,6 +361,11 @@ def _by_version(items: list[tuple]) -> dict[str, list[int]]:
     for i, item in enumerate(items):
         by_version.setdefault(item[0], []).append(i)
     return by_version
+
+
+def _settle(done: asyncio.Future, result: Any = None, exception: Exception | None = None) -> None:
+    if not done.done():
+        done.set_result(result) if exception is None else done.set_exception(exception)
 
 
 def bundle_columns(bundle) -> set[str]:
@@ -422,9 +459,12 @@ class Classifier(_ModelServer):
             body = await self.read_body(request, PredictRequest)
             version = self.choose(request)
             bundle = self.bundles[version]
-            rows = self.rows(body.instances, bundle)
+            rows = (self.rows(body.instances, bundle) if len(body.instances) <= ROWS_ON_LOOP
+                    else await asyncio.to_thread(self.rows, body.instances, bundle))
             self._flag_outside(version, bundle, rows)
             out = await self.with_timeout(asyncio.shield(self._forward((version, bundle, rows))), "prediction")
+            if isinstance(out, Exception):  # its own rows failed; its batch-mates have their answers
+                raise out
             _check_finite(out)
             payload = {"model": self.model_name, "version": version, **out}
             if bundle.classes is not None:
@@ -469,8 +509,7 @@ class Classifier(_ModelServer):
                 fields.append(ErrorField(field=f"instances[{i}]{where}", message=message))
             table.append(row)
         if fields:
-            summary = "; ".join(f"{f.field}: {f.message}" for f in fields[:5])
-            raise ApiError(422, f"invalid request: {summary}", fields)
+            raise ApiError(422, f"invalid request: {fields_summary(fields)}", fields)
         if kinds.numeric_only:
             return np.array(table, dtype=np.float64)  # null → NaN, filled by the model's imputer
         return pd.DataFrame(table, columns=columns, dtype=object)
@@ -485,8 +524,10 @@ class Classifier(_ModelServer):
                                             "reason": reason})
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, max_concurrent_batches=64)
-    async def _forward(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
+    async def _forward(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list] | Exception]:
         """`@serve.batch` groups the requests that arrive together; groups waiting for the model merge.
+        Should a merged forward fail, each request runs again alone, and one whose rows fail gets
+        its exception as its answer: a request never fails its batch-mates.
 
         Serve closes a batch `batch_wait_timeout_s` after its first request whether or not the
         model is free, so under load it produces many small batches that then queue for the
@@ -510,15 +551,24 @@ class Classifier(_ModelServer):
             merged = [item for items, _ in groups for item in items]
             try:
                 results = await self._forward_versions(merged)
-            except Exception as e:  # every waiting request learns why
-                for _, done in groups:
-                    if not done.done():
-                        done.set_exception(e)
+            except Exception as e:
+                if len(merged) == 1:
+                    _settle(groups[0][1], exception=e)
+                    continue
+                # One request's rows may be what failed: each request again alone, so its batch-mates
+                # get their answers and only the failing one its error (returned, not raised).
+                for items, done in groups:
+                    answers: list[Any] = []
+                    for item in items:
+                        try:
+                            answers += await self._forward_versions([item])
+                        except Exception as alone:
+                            answers.append(alone)
+                    _settle(done, answers)
                 continue
             offset = 0
             for items, done in groups:
-                if not done.done():
-                    done.set_result(results[offset:offset + len(items)])
+                _settle(done, results[offset:offset + len(items)])
                 offset += len(items)
 
     async def _forward_versions(self, items: list[tuple[str, Any, np.ndarray]]) -> list[dict[str, list]]:
@@ -587,7 +637,10 @@ class Generator(_ModelServer):
         out (504) or cancelled because its client went away."""
         stop = threading.Event()
         try:
-            return await self._forward((version, bundle, ({"prompt": prompt, **kwargs}, stop)))
+            text = await self._forward((version, bundle, ({"prompt": prompt, **kwargs}, stop)))
+            if isinstance(text, Exception):  # its own generation failed; its batch-mates have their texts
+                raise text
+            return text
         finally:
             stop.set()
 
@@ -596,22 +649,33 @@ class Generator(_ModelServer):
         """`@serve.batch` groups the requests that arrive together, and each group of one version
         decodes in one pass per token (`InferenceBundle.generate_batch`) in a thread of its own: a
         request that arrives while others generate starts at once instead of waiting for them.
-        Requests that cannot decode together (`batchable`) run side by side, a thread each."""
-        results: list[str] = [""] * len(items)
+        Requests that cannot decode together (`batchable`) run side by side, a thread each; should a
+        batch fail, each of its requests runs again alone, and one that fails gets its exception as
+        its answer."""
+        results: list[str | Exception] = [""] * len(items)
         for version, idx in _by_version(items).items():
             bundle = items[idx[0]][1]
             requests, stops = [items[i][2][0] for i in idx], [items[i][2][1] for i in idx]
             start = time.perf_counter()
-            if bundle.batchable(requests):
-                texts = await asyncio.to_thread(bundle.generate_batch, requests, stops)
-            else:  # each in a thread of its own, as they would run alone
-                texts = await asyncio.gather(*(asyncio.to_thread(bundle.generate_batch, [r], [s])
-                                               for r, s in zip(requests, stops)))
-                texts = [t[0] for t in texts]
+
+            async def alone(request: dict, stop: threading.Event) -> str | Exception:
+                try:
+                    return (await asyncio.to_thread(bundle.generate_batch, [request], [stop]))[0]
+                except Exception as e:  # this request's own failure: answered to it alone
+                    return e
+
+            texts = None
+            if bundle.batchable(requests) and len(requests) > 1:
+                try:
+                    texts = await asyncio.to_thread(bundle.generate_batch, requests, stops)
+                except Exception:  # one request may be what failed: each again alone
+                    logger.exception("a batch of %d generations failed; each runs again alone", len(requests))
+            if texts is None:  # each in a thread of its own, as they would run alone
+                texts = await asyncio.gather(*(alone(r, s) for r, s in zip(requests, stops)))
             tags = {"model": self.model_name, "version": version}
             self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
             self.m_batch.observe(len(idx), tags=tags)
-            self._count_tokens(version, sum(len(t) for t in texts))
+            self._count_tokens(version, sum(len(t) for t in texts if isinstance(t, str)))
             for i, text in zip(idx, texts):
                 results[i] = text
         return results

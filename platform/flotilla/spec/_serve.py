@@ -131,6 +131,9 @@ class ServeSpec(_Section):
     max_body_bytes: int = Field(1_000_000, gt=0, description="Larger request bodies get 413.")
     max_instances: int = Field(256, ge=1, description="Instances per prediction request at most (422 past it).")
     max_new_tokens: int = Field(512, ge=1, description="Upper bound on a generation request's `max_tokens`.")
+    max_prompt_tokens: int = Field(
+        8192, ge=1, description="Prompt tokens per language-model request at most (422 past it); the model's own "
+        "context, where its config gives one, may allow fewer.")
     allow_factories: list[str] = Field(
         [], description="`custom` model factories (`package.module:function`) that a replica may import to load "
         "a registered version; a version whose bundle names any other is refused. Nothing else a version holds runs.")
