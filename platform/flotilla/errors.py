@@ -1,13 +1,17 @@
 """The platform's exceptions.
 
 Every exception here is picklable (it crosses Ray process boundaries: a worker raises
-it, the driver reports it) and carries a message that names the input and the fix.
+it, the driver reports it) and carries a message that names the input and the fix, with the
+secrets of any URI it quotes masked (`flotilla.redact`): messages reach logs, MLflow tags and
+`serve status`.
 
 Each class carries the exit code that the `flotilla` command (and the scripts that call it)
 ends with; `EXIT_CODES` is the table `flotilla --help` prints.
 """
 
 from __future__ import annotations
+
+from flotilla.redact import redact
 
 
 # What each exit code means, for every subcommand.
@@ -26,6 +30,7 @@ class FlotillaError(Exception):
     exit_code = 1
 
     def __init__(self, message: str):
+        message = redact(message)
         super().__init__(message)
         self.message = message
 
@@ -44,7 +49,7 @@ class SpecError(FlotillaError):
     def __init__(self, problems: list[str] | str, source: str = "run spec"):
         if isinstance(problems, str):
             problems = [problems]
-        self.problems = list(problems)
+        self.problems = [redact(p) for p in problems]
         self.source = source
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{source} is not well-formed, found the following errors:\n{lines}")

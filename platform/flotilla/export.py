@@ -33,6 +33,7 @@ from flotilla.bundle import ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, c
 from flotilla.data import TOKENS, ByteWindows, prepare_data
 from flotilla.errors import BundleError, TrackingError
 from flotilla.metrics import primary_metric
+from flotilla.redact import redact
 from flotilla.runtime import ensure_ray
 from flotilla.spec import load_spec
 from flotilla.track import BundleEvaluator, LocalBundle, local_bundle
@@ -319,7 +320,7 @@ def _publish(client, name: str, version: str, bundle_dir: Path, relative: str,
             tag = f"{'passed' if r['passed'] else 'failed'}: {r['reason']}; {rate}"
             metrics += [Metric(f"variant.{variant}.max_difference", r["max_difference"], now, 0),
                         Metric(f"variant.{variant}.gate_passed", float(r["passed"]), now, 0)]
-        client.set_model_version_tag(name, version, f"flotilla.runtime.{variant}", tag[:5000])
+        client.set_model_version_tag(name, version, f"flotilla.runtime.{variant}", redact(tag)[:5000])
         if speed.get("per_s"):
             metrics.append(Metric(f"variant.{variant}.per_s", speed["per_s"], now, 0))
     client.set_model_version_tag(name, version, "flotilla.runtime.auto", choose_runtime(records, "auto", name))

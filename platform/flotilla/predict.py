@@ -314,6 +314,6 @@ def _log_run(origin: LocalBundle, model: str, source: str, outcome: PredictOutco
     client.log_batch(run.info.run_id, metrics=[
         Metric("rows_predicted", outcome.predicted, now, 0), Metric("rows_rejected", outcome.rejected, now, 0),
         Metric("wall_time_s", outcome.wall_time_s, now, 0), Metric("rows_per_s", rate if math.isfinite(rate) else 0, now, 0),
-    ], tags=[RunTag("mlflow.note.content", outcome.describe())])
+    ], tags=[RunTag("mlflow.note.content", redact(outcome.describe()))])
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id

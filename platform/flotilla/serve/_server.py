@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from flotilla.bundle import serving_app
+from flotilla.redact import redact, redact_logger
 from flotilla.data._columns import as_category, numeric_matrix
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
 from flotilla.serve._routing import TrafficSplit
@@ -148,6 +149,7 @@ class _ModelServer:
         # Serve warns when max_batch_size x max_concurrent_batches exceeds max_ongoing_requests; here
         # the concurrent "batches" are groups queued for one merged forward pass, so the sum is no limit.
         logging.getLogger("ray.serve").addFilter(lambda record: "max_concurrent_batches" not in record.getMessage())
+        redact_logger(logging.getLogger("ray.serve"))  # a URI's secrets never reach the replica's log
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -168,7 +170,14 @@ class _ModelServer:
 
     # ------------------------------------------------------------------ versions
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Load the versions a new split names (off the event loop), warm them up, then switch."""
+        """Load the versions a new split names (off the event loop), warm them up, then switch. A
+        failure reaches `serve status` and the logs with the secrets of any URI it quotes masked."""
+        try:
+            await self._reconfigure(user_config)
+        except Exception as e:
+            raise RuntimeError(redact(f"{type(e).__name__}: {e}")) from None
+
+    async def _reconfigure(self, user_config: dict[str, Any]) -> None:
         config = ReplicaConfig.model_validate(user_config)
         wanted = set(config.traffic) | ({config.shadow.version} if config.shadow else set())
         bundles = dict(self.bundles)
@@ -200,7 +209,8 @@ class _ModelServer:
             try:
                 self.warm_up(bundle, 1)
             except Exception as e:
-                raise RuntimeError(f"{self.model_name} v{version} can no longer answer: {type(e).__name__}: {e}") from e
+                raise RuntimeError(redact(f"{self.model_name} v{version} can no longer answer: {type(e).__name__}: "
+                                          f"{e}")) from None
 
     def warm_up(self, bundle, rows: int) -> None:
         raise NotImplementedError

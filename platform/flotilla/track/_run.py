@@ -343,7 +343,7 @@ class Tracker:
 
         dataset = MetaDataset(
             source=_dataset_source(prepared.source),
-            name=f"{self.spec.name}:{prepared.source.description}"[:500],
+            name=redact(f"{self.spec.name}:{prepared.source.description}")[:500],
             digest=prepared.fingerprint[:16],  # MLflow keeps 36 characters; the full hash is a run tag
         )
         tags = [InputTag("mlflow.data.context", "training"), InputTag("flotilla.data_fingerprint", prepared.fingerprint)]
@@ -422,7 +422,7 @@ class Tracker:
         if gate.beat_champion:
             self._compare_with_champion(decision, prepared, bundle_dir)
         champion = set_alias(self.client, name, CHAMPION, version) if decision.passed else None
-        tags = {"flotilla.gate": "passed" if decision.passed else "failed", "flotilla.gate.detail": decision.summary()}
+        tags = {"flotilla.gate": "passed" if decision.passed else "failed", "flotilla.gate.detail": redact(decision.summary())}
         tags.update({f"flotilla.{k}": str(v) for k, v in decision.numbers.items()})
         for key, value in tags.items():
             self.client.set_model_version_tag(name, version, key, value[:5000])
@@ -497,7 +497,10 @@ def _dataset_source(source):
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.dataset_source_registry import resolve_dataset_source
 
-    location = source.description if "://" in source.description else str(Path(source.paths[0]).resolve().parent)
+    # The dataset input keeps the location as MLflow shows it to everyone who reads the store: its
+    # credentials masked (the run reads the data with the real URI).
+    location = redact(source.description) if "://" in source.description else \
+        str(Path(source.paths[0]).resolve().parent)
     try:
         with warnings.catch_warnings():
             # MLflow registers its local-artifact source class twice, so a local path "can be

@@ -9,6 +9,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Param, RunTag
 
+from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml, trial_spec
 from flotilla.track._run import Registration, Tracker, flatten, log_params, log_resources
 
@@ -55,7 +56,7 @@ class SweepRun:
             child = children.get(row.trial_id)
             if child is None:  # it failed before its training run opened one
                 child = self._child_for_failed_trial(experiment_id, row, spec)
-            self.client.set_tag(child.info.run_id, STOP_TAG, row.status + (f": {row.error}" if row.error else ""))
+            self.client.set_tag(child.info.run_id, STOP_TAG, redact(row.status + (f": {row.error}" if row.error else "")))
             status = {"completed": "FINISHED", "early-stopped": "KILLED", "errored": "FAILED"}[row.status]
             if child.info.status != status:
                 self.client.set_terminated(child.info.run_id, status)
