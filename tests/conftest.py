@@ -19,6 +19,10 @@ os.environ.setdefault(
     "sqlite:///" + os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "mlflow", "mlflow.db")),
 )
 
+# Checkpoint manifests are signed with a key of the suite's own, never one made in the user's home
+# (test_checkpoint.py checks that one too, in a temporary home).
+os.environ.setdefault("FLOTILLA_CHECKPOINT_KEY", os.urandom(16).hex())
+
 # Ray exports application metrics every 10 s by default; a test run lasts seconds. Set before any
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")

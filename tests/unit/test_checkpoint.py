@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.train._checkpoint import MANIFEST_DIR, _write_manifest, problems
+from pydantic import ValidationError
+
+from flotilla.train._checkpoint import MANIFEST_DIR, _Manifest, _signature, _write_manifest, problems, signing_key
 
 
 def _checkpoint(root: Path, world_size: int = 2) -> Path:
@@ -22,10 +24,17 @@ def _checkpoint(root: Path, world_size: int = 2) -> Path:
     return root
 
 
-def _rewrite(root: Path, rank: int, change) -> None:
+def _rewrite(root: Path, rank: int, change, sign: bool = True) -> None:
+    """Change a rank's manifest, signed again with the key (what a writer holding it could do), so
+    that the checks behind the signature's are what is tested; `sign=False`: as anyone else."""
     path = root / MANIFEST_DIR / f"rank{rank}.json"
-    manifest = json.loads(path.read_text())
-    path.write_text(json.dumps(change(manifest)))
+    manifest = change(json.loads(path.read_text()))
+    if sign and isinstance(manifest, dict):
+        try:
+            manifest["signature"] = _signature(_Manifest.model_validate(manifest).model_dump(mode="json"))
+        except ValidationError:  # malformed: refused before its signature is read
+            pass
+    path.write_text(json.dumps(manifest))
 
 
 def test_a_complete_checkpoint_has_no_problems(tmp_path):
@@ -100,3 +109,60 @@ def test_a_killed_workers_staging_directory_is_removed_by_the_next_one_on_its_ho
             assert Path(second).exists() and Path(first).exists()
             assert [d.exists() for d in left] == [False, True, True]
     assert not Path(first).exists()
+
+
+def test_a_checkpoint_not_signed_with_the_clusters_key_is_never_loaded(tmp_path, monkeypatch):
+    """Whoever can write the storage but does not hold the key cannot make a worker unpickle their
+    files: a manifest changed without the key, one without a signature, one signed with another
+    cluster's key, and a file to be deserialized that no manifest lists are all refused."""
+    root = _checkpoint(tmp_path / "ckpt")
+    (root / "ds" / "shard_1.pt").write_bytes(b"planted" * 10)
+    entry = {"size": 70, "sha256": hashlib.sha256(b"planted" * 10).hexdigest()}
+    _rewrite(root, 1, lambda m: {**m, "files": {**m["files"], "ds/shard_1.pt": entry}}, sign=False)
+    assert ("rank1.json is signed with another key (not written by this cluster, whose checkpoint key is "
+            "FLOTILLA_CHECKPOINT_KEY): untrusted") in problems(str(root))
+    _rewrite(root, 1, lambda m: {k: v for k, v in m.items() if k != "signature"}, sign=False)
+    assert any(p.startswith("rank1.json is unsigned") for p in problems(str(root)))
+
+    root = _checkpoint(tmp_path / "other")
+    monkeypatch.setenv("FLOTILLA_CHECKPOINT_KEY", "another cluster")
+    signing_key.cache_clear()
+    try:
+        assert all("signed with another key" in p for p in problems(str(root))[:2])
+    finally:
+        monkeypatch.undo()
+        signing_key.cache_clear()
+    assert problems(str(root)) == []
+    (root / "ds" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"planted")
+    (root / "extra.pkl").write_bytes(b"planted")
+    assert problems(str(root)) == ["ds/zero_pp_rank_2_mp_rank_00_optim_states.pt, extra.pkl are in no manifest: "
+                                   "untrusted"]
+
+
+def test_without_a_configured_key_one_of_the_users_own_is_made_private_once(tmp_path, monkeypatch):
+    """On one machine with no FLOTILLA_CHECKPOINT_KEY and no Ray token, processes share a key made
+    once in the user's home, mode 600; the Ray token, where there is one, is used before it."""
+    import os
+    import stat
+
+    for name in ("FLOTILLA_CHECKPOINT_KEY", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    signing_key.cache_clear()
+    try:
+        key, source = signing_key()
+        path = tmp_path / ".flotilla" / "checkpoint_key"
+        assert source == "~/.flotilla/checkpoint_key" and stat.S_IMODE(path.stat().st_mode) == 0o600
+        signing_key.cache_clear()
+        assert signing_key()[0] == key  # the same key again, read from the file
+        os.chmod(path, 0o644)
+        signing_key.cache_clear()
+        with pytest.raises(Exception, match="not private to this user"):
+            signing_key()
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "the cluster's token")
+        signing_key.cache_clear()
+        token_key, source = signing_key()
+        assert source == "the Ray token" and token_key not in (key, b"the cluster's token")
+    finally:
+        monkeypatch.undo()
+        signing_key.cache_clear()

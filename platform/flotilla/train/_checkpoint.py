@@ -7,6 +7,14 @@ complete when every rank's manifest is there and every listed file matches; anyt
 (a rank that died mid-write, a truncated upload) is torn and is never loaded: the newest
 complete earlier checkpoint of the run is used instead, or the run stops and says so.
 
+A manifest is signed (HMAC-SHA256) with a key that is not in the storage: the cluster's
+`FLOTILLA_CHECKPOINT_KEY`, else one derived from its Ray token (RAY_AUTH_TOKEN, the token file
+`ray start` reads), else, on one machine, a key of the user's own (`~/.flotilla/checkpoint_key`,
+made on first use, mode 600). DeepSpeed deserializes its files with pickle, so whoever can write
+the storage could otherwise make every worker run their code: a manifest that is unsigned or
+signed with another key, or a file to be deserialized that no manifest lists, makes the
+checkpoint untrusted, and it is never loaded.
+
 A checkpoint resumes at any world size. At the size that wrote it, DeepSpeed loads its own files.
 At another size, a checkpoint whose optimizer state is partitioned across the ranks (ZeRO-1/2/3,
 and DeepSpeed's bf16 optimizer) is first converted to DeepSpeed's universal checkpoint (one file
@@ -19,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
+import hmac
 import io
 import json
 import os
@@ -46,6 +57,58 @@ UNIVERSAL_TAG = "ds_universal"
 
 
 STAGING_PREFIX = "flotilla-ckpt-"
+KEY_ENV = "FLOTILLA_CHECKPOINT_KEY"
+_KEY_PURPOSE = b"flotilla checkpoint manifests v1"  # the Ray token is never used as a key as it is
+
+
+@functools.lru_cache(maxsize=None)
+def signing_key() -> tuple[bytes, str]:
+    """The key that signs and checks checkpoint manifests, and where it came from."""
+    secret, source = os.environ.get(KEY_ENV, "").encode(), KEY_ENV
+    if not secret:
+        secret, source = _ray_token(), "the Ray token"
+    if not secret:
+        secret, source = _own_key(Path.home() / ".flotilla" / "checkpoint_key"), "~/.flotilla/checkpoint_key"
+    return hmac.new(secret, _KEY_PURPOSE, hashlib.sha256).digest(), source
+
+
+def _ray_token() -> bytes:
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if token:
+        return token.encode()
+    for path in (os.environ.get("RAY_AUTH_TOKEN_PATH"), Path.home() / ".ray" / "auth_token"):
+        if path and Path(path).is_file():
+            return Path(path).read_bytes().strip()
+    return b""
+
+
+def _own_key(path: Path) -> bytes:
+    """This user's key, made at `path` (mode 600) when there is none; processes racing to make it
+    all read the one that won."""
+    if not path.is_file():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".key-")  # mode 600
+        try:
+            os.write(fd, os.urandom(32).hex().encode())
+            os.close(fd)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+        raise CheckpointError(f"{path} is not private to this user (owner and mode 600); remove it, or set "
+                              f"{KEY_ENV} to the cluster's checkpoint key")
+    return path.read_bytes().strip()
+
+
+def _signature(manifest: dict[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(signing_key()[0], body.encode(), hashlib.sha256).hexdigest()
+
+
+def _deserialized(rel: str) -> bool:
+    """Whether loading a checkpoint unpickles the file at `rel`: DeepSpeed's files and the RNG state."""
+    return rel.startswith(DS_TAG + "/") or rel.endswith((".pt", ".pth", ".bin", ".pkl"))
 
 
 def staging_dir(root: str | None = None) -> tempfile.TemporaryDirectory:
@@ -167,6 +230,7 @@ class _Manifest(BaseModel):
     world_size: int = Field(ge=1)
     global_step: int = Field(ge=0)
     files: dict[str, _FileEntry]
+    signature: str | None = None  # HMAC-SHA256 of the rest, with `signing_key()`
 
 
 def _outside(root: Path, rel: str) -> bool:
@@ -180,7 +244,8 @@ def problems(directory: str) -> list[str]:
     """Why the checkpoint in `directory` is incomplete; an empty list means it is complete.
 
     Only the manifests are parsed (JSON, validated field by field); a manifest that is malformed,
-    names a path outside the checkpoint or disagrees with the files makes the checkpoint torn.
+    unsigned or signed with another key, names a path outside the checkpoint or disagrees with the
+    files, or a file to be deserialized that no manifest lists, makes the checkpoint torn.
     Nothing is deserialised before this says the checkpoint is complete."""
     root = Path(directory)
     manifests = sorted((root / MANIFEST_DIR).glob("rank*.json"))
@@ -189,6 +254,7 @@ def problems(directory: str) -> list[str]:
     found: list[str] = []
     ranks: set[int] = set()
     world_sizes: set[int] = set()
+    listed: set[str] = set()
     for manifest_file in manifests:
         try:
             manifest = _Manifest.model_validate_json(manifest_file.read_bytes())
@@ -203,6 +269,12 @@ def problems(directory: str) -> list[str]:
         if manifest_file.name != f"rank{manifest.rank}.json":
             found.append(f"{manifest_file.name} describes rank {manifest.rank}")
             continue
+        if manifest.signature is None or not hmac.compare_digest(
+                manifest.signature, _signature(manifest.model_dump(mode="json"))):
+            found.append(f"{manifest_file.name} is {'unsigned' if manifest.signature is None else 'signed with another key'}"
+                         f" (not written by this cluster, whose checkpoint key is {signing_key()[1]}): untrusted")
+            continue
+        listed.update(manifest.files)
         ranks.add(manifest.rank)
         world_sizes.add(manifest.world_size)
         for rel, meta in manifest.files.items():
@@ -215,6 +287,11 @@ def problems(directory: str) -> list[str]:
                 found.append(f"rank {manifest.rank}: {rel} has {path.stat().st_size} bytes, expected {meta.size}")
             elif file_sha256(path) != meta.sha256:
                 found.append(f"rank {manifest.rank}: {rel} does not match its checksum")
+    if not found:
+        unlisted = sorted(rel for path in root.rglob("*") if path.is_file()
+                          for rel in [path.relative_to(root).as_posix()] if _deserialized(rel) and rel not in listed)
+        if unlisted:
+            found.append(f"{', '.join(unlisted[:3])} {'is' if len(unlisted) == 1 else 'are'} in no manifest: untrusted")
     if len(world_sizes) > 1:
         found.append(f"the manifests disagree on the world size ({', '.join(map(str, sorted(world_sizes)))})")
     elif world_sizes:
@@ -262,6 +339,7 @@ def _write_manifest(directory: str, rank: int, world_size: int, state: dict[str,
         if path.is_file() and not rel.startswith(MANIFEST_DIR + "/"):
             files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
     manifest = {"rank": rank, "world_size": world_size, "global_step": state["global_step"], "files": files}
+    manifest["signature"] = _signature(_Manifest.model_validate(manifest).model_dump(mode="json"))
     _write_json(root / MANIFEST_DIR / f"rank{rank}.json", manifest)
 
 
