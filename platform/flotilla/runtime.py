@@ -51,15 +51,20 @@ DRAIN_S = "3"
 #   splicing would not speed up anyway.
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _HAPROXY_WRAPPER = """#!/bin/sh
-# Written by Flotilla (flotilla.runtime): Ray Serve's HAProxy with its stats page and Prometheus
-# exporter on 127.0.0.1 instead of every interface (the HTTP frontend keeps serve.host), and
-# without request splicing, which loses clients' closes.
+# Written by Flotilla (flotilla.runtime): Ray Serve's HAProxy with its stats page (`listen stats`)
+# and Prometheus exporter (`frontend prometheus`) on 127.0.0.1 instead of every interface (the
+# HTTP frontend keeps serve.host, `*:` included), and without request splicing, which loses
+# clients' closes.
 config=""; previous=""
 for arg in "$@"; do [ "$previous" = "-f" ] && config="$arg"; previous="$arg"; done
 if [ -n "$config" ]; then
-  sed -i -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\)\\*:/\\1127.0.0.1:/' \\
-         -e 's/^\\([[:space:]]*bind[[:space:]][[:space:]]*\\):/\\1127.0.0.1:/' \\
-         -e '/^[[:space:]]*option[[:space:]][[:space:]]*splice-request[[:space:]]*$/d' "$config" || exit 1
+  awk '
+    /^[^ \t#]/ { section = $1 " " $2 }
+    /^[ \t]*option[ \t]+splice-request[ \t]*$/ { next }
+    (section == "frontend prometheus" || section == "listen stats") && /^[ \t]*bind[ \t]/ {
+      sub(/bind[ \t]+[*]?:/, "bind 127.0.0.1:")
+    }
+    { print }' "$config" > "$config.flotilla" && cat "$config.flotilla" > "$config" && rm -f "$config.flotilla" || exit 1
 fi
 exec {binary} "$@"
 """
@@ -215,16 +220,21 @@ def haproxy_wrapper(directory: Path | None = None) -> Path | None:
         return None
     path = directory / "haproxy"
     text = _HAPROXY_WRAPPER.replace("{binary}", shlex.quote(str(binary)))
-    if not path.exists() or path.read_text() != text:
+    if not path.is_file() or path.is_symlink() or path.read_text() != text:
         partial = directory / f".haproxy.{os.getpid()}"
-        partial.write_text(text)
-        partial.chmod(0o755)
+        partial.unlink(missing_ok=True)  # one a killed process of this pid left (the directory is private)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o700)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         partial.replace(path)  # atomic: a Serve starting now runs the old file or the new one
     return path
 
 
 def _runnable_directory(candidates: list[Path] | None = None) -> Path | None:
-    """The first of `candidates` that can be made and runs programs (not on a noexec mount)."""
+    """The first of `candidates` that can be made, is this user's own and no one else's (a real
+    directory, owned by this user, mode 700: in a shared temporary directory another user could
+    have made it first, to plant the program Serve runs), and runs programs (not on a noexec mount)."""
+    import stat
     import tempfile
 
     if candidates is None:
@@ -232,6 +242,12 @@ def _runnable_directory(candidates: list[Path] | None = None) -> Path | None:
     for directory in candidates:
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            found = os.lstat(directory)
+            if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+                logging.getLogger(__name__).warning("%s is not this user's own directory; not using it", directory)
+                continue
+            if stat.S_IMODE(found.st_mode) & 0o077:
+                os.chmod(directory, 0o700)  # this user's: made private
             if not os.statvfs(directory).f_flag & os.ST_NOEXEC and os.access(directory, os.W_OK | os.X_OK):
                 return directory
         except OSError:

@@ -108,12 +108,12 @@ def test_the_haproxy_wrapper_moves_the_all_interface_binds_to_loopback_and_keeps
     config.write_text("defaults\n    mode http\n    timeout client 1s\n    timeout server 1s\n    timeout connect 1s\n"
                       "    option splice-request\n    option splice-response\n"
                       "frontend prometheus\n    bind :9101\n    http-request use-service prometheus-exporter\n"
-                      "frontend http_frontend\n    bind 0.0.0.0:8000\n    http-request return status 200\n"
+                      "frontend http_frontend\n    bind *:8000\n    http-request return status 200\n"
                       "listen stats\n  bind *:8404\n  stats enable\n")
     checked = subprocess.run([str(wrapper), "-c", "-f", str(config)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     binds = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("bind")]
-    assert binds == ["bind 127.0.0.1:9101", "bind 0.0.0.0:8000", "bind 127.0.0.1:8404"]
+    assert binds == ["bind 127.0.0.1:9101", "bind *:8000", "bind 127.0.0.1:8404"]  # serve.host 0.0.0.0 is `*:`
     options = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("option")]
     assert options == ["option splice-response"]  # request splicing goes (see HAPROXY_BINARY_ENV), the rest stays
     assert haproxy_wrapper(tmp_path / "bin") == wrapper  # written again only when it would change
@@ -166,6 +166,29 @@ def test_serve_runtime_takes_a_variant_only_when_it_passed_and_auto_the_fastest_
     assert choose_runtime({}, "auto", "digits v1") == "torch"  # nothing exported: torch
     slow = {**records, "onnx": {**records["onnx"], "speed": {"per_s": 90.0}}}
     assert choose_runtime(slow, "auto", "digits v1") == "torch"
+
+
+def test_the_wrapper_directory_is_this_users_own_or_not_used(tmp_path):
+    """Another local user who makes the predictable directory first (or a link in its place) cannot
+    plant the program Serve runs: a directory not owned by this user, or a link, is passed over for
+    the next candidate; one of this user's that others may write is made private."""
+    import stat
+
+    from flotilla import runtime
+
+    theirs, link, loose, ok = tmp_path / "theirs", tmp_path / "link", tmp_path / "loose", tmp_path / "ok"
+    theirs.mkdir()
+    if os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    os.chown(theirs, 4242, 4242)
+    link.symlink_to(tmp_path)
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    assert runtime._runnable_directory([theirs, link, ok]) == ok
+    assert runtime._runnable_directory([loose]) == loose and stat.S_IMODE(loose.stat().st_mode) == 0o700
+    wrapper = runtime.haproxy_wrapper(ok)
+    if wrapper is not None:
+        assert stat.S_IMODE(wrapper.stat().st_mode) == 0o700 and wrapper.stat().st_uid == os.getuid()
 
 
 def test_the_wrapper_goes_where_programs_may_run_and_auto_falls_back_to_the_proxy_without_one(tmp_path, monkeypatch):
