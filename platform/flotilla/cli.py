@@ -282,6 +282,8 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
     action.add_argument("--version", help="version to point the alias at")
     action.add_argument("--rollback", action="store_true", help="point champion back at the previous champion")
     p.add_argument("--alias", default="champion", help="alias to move with --version (default: %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="make champion a version that failed its gate or has no gate record (refused otherwise)")
 
 
 def _predict_args(p: argparse.ArgumentParser) -> None:
@@ -475,7 +477,7 @@ def _promote(args) -> int:
         print(rollback_champion(client, name).describe("rolled back"))
     else:
         version = args.version or resolve_reference(client, ref, "flotilla promote")[1]
-        print(set_alias(client, name, args.alias, version).describe("promoted"))
+        print(set_alias(client, name, args.alias, version, force=args.force).describe("promoted"))
     return 0
 
 

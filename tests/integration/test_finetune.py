@@ -314,7 +314,7 @@ def _one_request_never_fails_its_batch_mates(url: str, expected: str) -> None:
             assert answers[len(bad):] == [(200, expected)] * len(good), answers[len(bad):]
     # The framework's own errors speak OpenAI's shape too; a body without a Content-Type is a 415.
     nowhere = requests.get(url + "/v1/nowhere", timeout=30)
-    assert nowhere.status_code == 404 and "no route /v1/nowhere" in nowhere.json()["error"]["message"], nowhere.text
+    assert nowhere.status_code == 404 and "no route /v1/models/instruct-lora/v1/nowhere" in nowhere.json()["error"]["message"], nowhere.text
     untyped = requests.post(url + "/v1/chat/completions", data=json.dumps(base), timeout=30)
     assert untyped.status_code == 415 and "Content-Type" in untyped.json()["error"]["message"], untyped.text
 

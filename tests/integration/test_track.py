@@ -129,7 +129,7 @@ def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champi
     # The champion the gate compares with is a registry writer's v2: v1's files with code planted
     # in its pyfunc. The gate reads its bundle files only; the planted code never runs.
     planted, marker = plant_code(uri, tmp_path)
-    set_alias(MlflowClient(uri), "digits", CHAMPION, planted)
+    set_alias(MlflowClient(uri), "digits", CHAMPION, planted, force=True)  # (no gate record: forced)
     # Clears the fixed bar, but is worse than the champion on the same validation rows.
     weak = run_training(digits_spec(tmp_path, "train.epochs=1", "train.lr=0.001", "track.gate.require=['val_accuracy >= 0.1']"))
     assert not marker.exists(), "the gate ran code from the registry"
@@ -143,8 +143,12 @@ def test_a_run_failing_the_gate_stays_candidate_and_rollback_restores_the_champi
     assert alias_version(client, "digits", CHAMPION) == "2"
     assert alias_version(client, "digits", CANDIDATE) == "3"
 
+    # A version that failed its gate is made champion only when forced.
     capsys.readouterr()
-    assert main(["promote", "--model", "digits", "--version", "3", "--tracking-uri", weak.tracking_uri]) == 0
+    assert main(["promote", "--model", "digits", "--version", "3", "--tracking-uri", weak.tracking_uri]) == 2
+    assert "digits v3 failed its gate; champion stays v2" in capsys.readouterr().err
+    assert alias_version(client, "digits", CHAMPION) == "2"
+    assert main(["promote", "--model", "digits", "--version", "3", "--force", "--tracking-uri", weak.tracking_uri]) == 0
     assert alias_version(client, "digits", CHAMPION) == "3"
     assert main(["promote", "--rollback", "--config", str(ROOT / "configs" / "digits.yaml"),
                  "--tracking-uri", weak.tracking_uri]) == 0

@@ -18,5 +18,6 @@ def registry(tmp_path):
     client.create_registered_model("m")
     (tmp_path / "src").mkdir()
     for _ in range(4):
-        client.create_model_version("m", source=str(tmp_path / "src"))
+        version = client.create_model_version("m", source=str(tmp_path / "src")).version
+        client.set_model_version_tag("m", version, "flotilla.gate", "passed")  # as a Flotilla run's gate
     return client

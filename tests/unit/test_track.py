@@ -147,6 +147,70 @@ def test_promote_and_roll_back_champion(registry):
         rollback_champion(registry, "m")
 
 
+def test_only_a_version_that_passed_its_gate_becomes_champion_unless_forced(registry):
+    registry.set_model_version_tag("m", "3", "flotilla.gate", "failed")
+    registry.delete_model_version_tag("m", "4", "flotilla.gate")
+    set_alias(registry, "m", CHAMPION, "1")
+    with pytest.raises(TrackingError, match=r"m v3 failed its gate; champion stays v1. .*--force"):
+        set_alias(registry, "m", CHAMPION, "3")
+    with pytest.raises(TrackingError, match=r"m v4 has no gate record"):
+        set_alias(registry, "m", CHAMPION, "4")
+    assert set_alias(registry, "m", "candidate", "3").after == "3"  # other aliases: any version
+    assert set_alias(registry, "m", CHAMPION, "3", force=True).describe() == "m@champion: v1 -> v3 (promoted)"
+
+
+def test_promotions_and_rollbacks_at_once_take_turns_and_lose_none(registry):
+    """Eight threads promote and roll back at once against one store: each change happens whole
+    under the promotion lock, so the champion history records every promotion in the order the
+    alias saw them, and no lock is left behind."""
+    import threading
+
+    from flotilla.track import promotion_lock
+
+    order: list[str] = []
+    seen = threading.Lock()
+    errors: list[Exception] = []
+
+    def promote(version: str) -> None:
+        try:
+            with promotion_lock(registry, "m"):
+                set_alias(registry, "m", CHAMPION, version, locked=True)
+                with seen:
+                    order.append(version)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=promote, args=(str(1 + i % 4),)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    changes = [v for i, v in enumerate(order) if i == 0 or v != order[i - 1]]
+    assert champion_history(registry, "m") == changes and alias_version(registry, "m", CHAMPION) == order[-1]
+    rollback_champion(registry, "m")
+    assert alias_version(registry, "m", CHAMPION) == changes[-2]
+    assert [m.name for m in registry.search_registered_models()] == ["m"]  # the lock is gone
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over_after_its_lease(registry):
+    import time
+
+    from flotilla.track import promotion_lock
+    from flotilla.track._registry import LOCK_EXPIRES_TAG, LOCK_OWNER_TAG, LOCK_SUFFIX
+
+    registry.create_registered_model("m" + LOCK_SUFFIX, tags={LOCK_OWNER_TAG: "dead:1:x",
+                                                             LOCK_EXPIRES_TAG: str(time.time() - 1)})
+    with promotion_lock(registry, "m", wait_s=30):
+        set_alias(registry, "m", CHAMPION, "2", locked=True)
+    assert alias_version(registry, "m", CHAMPION) == "2"
+    registry.create_registered_model("m" + LOCK_SUFFIX, tags={LOCK_OWNER_TAG: "alive:1:x",
+                                                             LOCK_EXPIRES_TAG: str(time.time() + 600)})
+    with pytest.raises(TrackingError, match="held the promotion lock .* delete that registered model"):
+        with promotion_lock(registry, "m", wait_s=0.5):
+            pass
+
+
 def test_promote_names_what_exists(registry):
     with pytest.raises(TrackingError, match=r"m has no version '9'; versions: 1, 2, 3, 4"):
         set_alias(registry, "m", CHAMPION, "9")

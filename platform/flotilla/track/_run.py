@@ -45,9 +45,11 @@ from flotilla.track._gate import GateDecision, check_rules, compare_with_champio
 from flotilla.track._registry import (
     CANDIDATE,
     CHAMPION,
+    GATE_TAG,
     AliasChange,
     alias_version,
     ensure_registered_model,
+    promotion_lock,
     set_alias,
 )
 from flotilla.track._fetch import load_registered_bundle
@@ -421,11 +423,19 @@ class Tracker:
         decision = check_rules(gate, metrics)
         if gate.beat_champion:
             self._compare_with_champion(decision, prepared, bundle_dir)
-        champion = set_alias(self.client, name, CHAMPION, version) if decision.passed else None
-        tags = {"flotilla.gate": "passed" if decision.passed else "failed", "flotilla.gate.detail": redact(decision.summary())}
-        tags.update({f"flotilla.{k}": str(v) for k, v in decision.numbers.items()})
-        for key, value in tags.items():
-            self.client.set_model_version_tag(name, version, key, value[:5000])
+        with promotion_lock(self.client, name):  # no other champion change until this one is decided
+            now = alias_version(self.client, name, CHAMPION)
+            if gate.beat_champion and decision.passed and now != decision.numbers.get("gate.champion_version"):
+                # Another gate promoted v{now} while this one compared: compared again, with it.
+                decision = check_rules(gate, metrics)
+                decision.checks.append(f"v{now} became champion while this run was compared; compared again")
+                self._compare_with_champion(decision, prepared, bundle_dir)
+            tags = {GATE_TAG: "passed" if decision.passed else "failed",
+                    "flotilla.gate.detail": redact(decision.summary())}
+            tags.update({f"flotilla.{k}": str(v) for k, v in decision.numbers.items()})
+            for key, value in tags.items():
+                self.client.set_model_version_tag(name, version, key, value[:5000])
+            champion = set_alias(self.client, name, CHAMPION, version, locked=True) if decision.passed else None
         self.client.set_tag(self.run_id, "flotilla.registered_version", f"{name}/{version}")
         return Registration(name, version, decision, champion)
 
