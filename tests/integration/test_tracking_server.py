@@ -141,6 +141,12 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     # a rollback reads ends with it. (The first time, both inserted the history tag and one failed.)
     champion = str(client.get_model_version_by_alias("digits-shared", "champion").version)
     assert champion_history(client, "digits-shared")[-1] == champion
+    # The gates took turns (the promotion lock): whichever decided second compared itself with the
+    # champion the first left, so the champion is the better of the two on the same validation rows
+    # (ties go to the first), and the other one failed its gate or was no worse.
+    scores = {v.version: float(v.tags["flotilla.gate.candidate_val_accuracy"]) for v in versions}
+    assert scores[champion] >= max(scores.values()), (scores, champion)
+    assert [m.name for m in client.search_registered_models()] == ["digits-shared"]  # no lock left behind
     for run in runs:
         assert run.info.status == "FINISHED"
         for key in ("train_loss", "val_accuracy"):
@@ -164,3 +170,53 @@ def test_two_pipelines_register_concurrently_on_a_postgres_backed_server(ray_clu
     rows, labels = digits_val_rows(load_spec(ROOT / "configs" / "digits.yaml"))
     assert (model.predict(rows.head(50))["prediction"].to_numpy() == labels[:50]).mean() > 0.8
 
+
+
+def test_promotions_and_a_rollback_at_once_against_the_server_lose_none(tracking_server, tmp_path):
+    """Promotions from eight clients at once and a rollback among them, through the PostgreSQL-backed
+    server: each change of champion is whole (the promotion lock), the history lists every change in
+    the order the alias took them, and the rollback lands on the champion before the last change."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from flotilla.track import CHAMPION, alias_version, promotion_lock, rollback_champion, set_alias
+
+    client = MlflowClient(tracking_server.url)
+    client.create_registered_model("racing")
+    (tmp_path / "src").mkdir()
+    for _ in range(4):
+        version = client.create_model_version("racing", source=str(tmp_path / "src")).version
+        client.set_model_version_tag("racing", version, "flotilla.gate", "passed")
+    order: list[str] = []
+    errors: list[Exception] = []
+
+    def promote(version: str) -> None:
+        try:
+            with promotion_lock(MlflowClient(tracking_server.url), "racing"):
+                set_alias(client, "racing", CHAMPION, version, locked=True)
+                order.append(version)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=promote, args=(str(1 + i % 4),)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    changes = [v for i, v in enumerate(order) if i == 0 or v != order[i - 1]]
+    assert champion_history(client, "racing") == changes and alias_version(client, "racing", CHAMPION) == order[-1]
+    current, newer = order[-1], "1" if order[-1] != "1" else "2"
+    rolled = threading.Thread(target=lambda: rollback_champion(MlflowClient(tracking_server.url), "racing"))
+    late = threading.Thread(target=promote, args=(newer,))
+    rolled.start(), late.start()
+    rolled.join(timeout=300), late.join(timeout=300)
+    assert not errors, errors
+    # Either order is whole: the late promotion came after the rollback (champion: the late one),
+    # or the rollback undid it (champion: the one before it). Never the version before `current`
+    # with the late promotion lost.
+    history = champion_history(client, "racing")
+    assert alias_version(client, "racing", CHAMPION) == history[-1] in (newer, current), (history, current, newer)
+    assert "racing" in [m.name for m in client.search_registered_models()]
+    assert not [m.name for m in client.search_registered_models() if "lock" in m.name]

@@ -141,6 +141,20 @@ def test_torn_checkpoint_is_skipped_and_the_same_name_resumes(faulty_run, capsys
     assert third.registration.version == "2"
     assert sorted(int(v.version) for v in client.search_model_versions("name = 'digits'")) == [1, 2]
     assert metric_steps(client, third.mlflow_run_id) == [1, 2, 3, 4, 5]
+    # A copy of the bundle cut short (a driver killed while copying it out of the final checkpoint)
+    # is never taken for a finished run: the same command resumes from that checkpoint, copies the
+    # bundle again whole, and finds it registered already (v2, the same weights).
+    from flotilla.bundle import BUNDLE_COPYING
+
+    (storage / "faulty" / BUNDLE_COPYING).write_text("copying")
+    weights = storage / "faulty" / "bundle" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    fourth = run_training(digits_spec(storage, "train.epochs=5", "train.run_name=faulty", "train.max_failures=2",
+                                      "train.precision=fp32", "train.zero_stage=3"))
+    said = capsys.readouterr().out
+    assert "finished already" not in said and not (storage / "faulty" / BUNDLE_COPYING).exists(), said
+    assert fourth.registration.version == "2" and fourth.history[-1] == second.history[-1]
+    _assert_trained_and_consolidated(fourth, 3)
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ from flotilla.bundle._protocol import Bundle
 from flotilla.bundle._torch import BUNDLE_FILES, MODEL_JSON, load_torch_bundle
 from flotilla.errors import BundleError
 
+# Beside a run's `bundle/` while training copies it there (removed last): the bundle is incomplete.
+BUNDLE_COPYING = "bundle.copying"
+
 
 def bundle_kind(path: str | Path) -> str | None:
     """`hf` (a fine-tuned pretrained language model), `torch` (Flotilla's own model) or None when
@@ -28,6 +31,10 @@ def bundle_kind(path: str | Path) -> str | None:
 def find_bundle(path: str | Path, what: str = "--model") -> Path:
     """The bundle directory at `path`, or in its `bundle/` (a run directory); a clear error otherwise."""
     root = Path(path).expanduser().resolve()
+    if (root / BUNDLE_COPYING).exists():
+        raise BundleError(f"{what} {str(path)!r}: the run's bundle is being copied out of its final checkpoint, or its "
+                          "copy was cut short; run the training command again (it finishes the copy), or give "
+                          "NAME@ALIAS or NAME/VERSION")
     for candidate in (root / "bundle", root):
         if bundle_kind(candidate) is not None:
             return candidate

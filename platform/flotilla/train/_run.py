@@ -24,7 +24,7 @@ from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from flotilla._epochs import EPOCHS_DIR, EpochRelay
-from flotilla.bundle import read_bundle_metrics
+from flotilla.bundle import BUNDLE_COPYING, read_bundle_metrics
 from flotilla.cluster import (
     ResourceUse,
     prices_for,
@@ -179,14 +179,8 @@ def fit(spec: RunSpec, run_name: str, prepared: PreparedData, *, recorder: RunRe
         raise error from e
 
     # The bundle travelled inside the final checkpoint; give it a stable place in the run.
-    bundle_fs_path = f"{storage_root}/{run_name}/{BUNDLE_DIR}"
-    fs.create_dir(bundle_fs_path, recursive=True)
-    pafs.copy_files(
-        f"{checkpoint.path}/{BUNDLE_DIR}",
-        bundle_fs_path,
-        source_filesystem=checkpoint.filesystem,
-        destination_filesystem=fs,
-    )
+    bundle_fs_path = publish_bundle(fs, f"{storage_root}/{run_name}", checkpoint.filesystem,
+                                    f"{checkpoint.path}/{BUNDLE_DIR}")
     bundle_metrics = read_bundle_metrics(fs, bundle_fs_path)
     use = run_resources(spec, time.monotonic() - fit_started, bundle_metrics.get("worker_nodes"),
                         bundle_metrics.get("segments"))
@@ -369,11 +363,29 @@ def describe_events(events: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def publish_bundle(fs: pafs.FileSystem, run_root: str, source_fs: pafs.FileSystem, source: str) -> str:
+    """Copy the bundle at `source` to `<run_root>/bundle`, marked as being copied
+    (`<run_root>/bundle.copying`, removed last) so that a copy cut short is never taken for a
+    finished run's bundle; its path."""
+    target, copying = f"{run_root}/{BUNDLE_DIR}", f"{run_root}/{BUNDLE_COPYING}"
+    fs.create_dir(run_root, recursive=True)
+    with fs.open_output_stream(copying) as f:
+        f.write(b"the bundle beside this file is being copied; until this file is gone it is incomplete\n")
+    if fs.get_file_info(target).type != pafs.FileType.NotFound:
+        fs.delete_dir_contents(target)  # an earlier bundle of the run (it trained further): no file of it stays
+    fs.create_dir(target, recursive=True)
+    pafs.copy_files(source, target, source_filesystem=source_fs, destination_filesystem=fs)
+    fs.delete_file(copying)
+    return target
+
+
 def find_bundle(fs: pafs.FileSystem, root: str, run_name: str) -> str:
     """The bundle of a finished run under `root` (a path on `fs`): `<run>/bundle`, or the one inside
-    its final checkpoint when the run stopped between its last report and copying it out."""
+    its final checkpoint when the run stopped between its last report and copying it out, or while
+    copying it (`bundle.copying`)."""
     bundle = f"{root}/{run_name}/{BUNDLE_DIR}"
-    if fs.get_file_info(bundle).type != pafs.FileType.NotFound:
+    copying = fs.get_file_info(f"{root}/{run_name}/{BUNDLE_COPYING}").type != pafs.FileType.NotFound
+    if not copying and fs.get_file_info(bundle).type != pafs.FileType.NotFound:
         return bundle
     found = fs.get_file_info(pafs.FileSelector(f"{root}/{run_name}", allow_not_found=True))
     checkpoints = sorted(i.path for i in found if i.base_name.startswith(CHECKPOINT_PREFIX))
@@ -395,6 +407,8 @@ def _finished_bundle(fs: pafs.FileSystem, root: str, run_name: str, epochs: int,
     """The metrics of run `run_name`'s bundle when it is complete for `epochs` epochs of the data
     whose fingerprint is `fingerprint` (the one its record names), else None: train (or resume)."""
     try:
+        if fs.get_file_info(f"{root}/{run_name}/{BUNDLE_COPYING}").type != pafs.FileType.NotFound:
+            return None  # its copy was cut short: the run resumes from its final checkpoint and copies again
         with fs.open_input_stream(f"{root}/{run_name}/fingerprint.txt") as f:
             if f.read().decode().strip() != fingerprint:
                 return None
