@@ -63,6 +63,14 @@ ELASTIC_RUN = ["--set", "train.num_workers=[1, 2]", "--set", "train.cpus_per_wor
                "--set", "train.checkpoint_every_s=3", "--set", "model.hidden=[512, 512]", "--set", "track.gate.require=[]"]
 
 
+def mlflow_password(token: str) -> str:
+    """The MLflow server's password for user `flotilla`, derived from the Ray token as cluster.yaml's
+    start commands derive it (`printf 'flotilla-mlflow:%s' TOKEN | sha256sum | cut -c1-48`)."""
+    import hashlib
+
+    return hashlib.sha256(f"flotilla-mlflow:{token}".encode()).hexdigest()[:48]
+
+
 @dataclass
 class Host:
     name: str  # head, worker1, worker2, client
@@ -125,7 +133,9 @@ class Hosts:
         or Flotilla settings (the cluster's own come from cluster.yaml's start commands)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "FLOTILLA_"))}
         env.update(PATH=f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}", RAY_AUTH_MODE="token",
-                   RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1")
+                   RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1",
+                   # The MLflow server's user, as cluster.yaml hands it out (an operator's laptop sets the same).
+                   MLFLOW_TRACKING_USERNAME="flotilla", MLFLOW_TRACKING_PASSWORD=mlflow_password(self.token))
         if self.s3:  # what an instance profile gives a cloud node: pyarrow, Ray and MLflow all read these
             env.update(S3_CREDENTIALS, AWS_ENDPOINT_URL=self.s3_endpoint)
         env.update(extra or {})

@@ -134,6 +134,23 @@ def test_hosts_share_only_the_network_and_the_storage(hosts):
         health = hosts.run(h, ["python", "-c", f"import urllib.request; print(urllib.request.urlopen("
                                                f"{hosts.tracking_uri + '/health'!r}, timeout=5).read().decode())"])
         assert health.stdout.strip() == "OK", (h, health.stderr[-2000:])
+    # ...and it asks for the user and password cluster.yaml hands out: without them, 401; with a
+    # wrong password, 401; the nodes' own (derived from the Ray token) are accepted.
+    search = f"{hosts.tracking_uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    asked = hosts.run("client", ["python", "-c", f"""
+import base64, os, urllib.error, urllib.request
+def status(user, password):
+    request = urllib.request.Request({search!r})
+    if user:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{{user}}:{{password}}".encode()).decode())
+    try:
+        return urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
+print(status(None, None), status("flotilla", "wrong"),
+      status(os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]))
+"""])
+    assert asked.stdout.split() == ["401", "401", "200"], (asked.stdout, asked.stderr[-2000:])
 
 
 def test_storage_that_one_node_sees_is_refused_before_training(hosts):
