@@ -370,8 +370,14 @@ class Hosts:
             time.sleep(0.2)
 
     def wait_for_job(self, job_id: str, timeout: float = 600) -> str:
-        """Block until the job ends; its final status (SUCCEEDED, FAILED, ...)."""
-        self.run("client", ["ray", "job", "logs", "--address", self.jobs_address, "--follow", job_id], timeout=timeout)
+        """Block until the job ends; its final status (SUCCEEDED, FAILED, ...). A job still running
+        after `timeout` s is an error that quotes the end of its log."""
+        try:
+            self.run("client", ["ray", "job", "logs", "--address", self.jobs_address, "--follow", job_id],
+                     timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"job {job_id} still running after {timeout:g} s; its log ends:\n"
+                               f"{self.job_log(job_id)[-6000:]}") from None
         out = self.run("client", ["ray", "job", "status", "--address", self.jobs_address, job_id], timeout=60)
         found = re.search(rf"Job '{job_id}' (succeeded|failed|was stopped)|Status for job '{job_id}': (\w+)",
                           out.stdout + out.stderr)
