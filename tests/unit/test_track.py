@@ -211,6 +211,36 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_after_its_lease(registry):
             pass
 
 
+def test_a_lock_released_while_another_process_asks_for_it_is_taken(registry, monkeypatch):
+    """MLflow's SQL store answers a duplicate name by reading the existing model; when its holder
+    releases the lock in that instant, the read fails with RESOURCE_DOES_NOT_EXIST (seen in CI with
+    eight promoting threads). The release is injected at that point: the waiter must take the lock."""
+    import time
+
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore
+
+    from flotilla.track import promotion_lock
+    from flotilla.track._registry import LOCK_EXPIRES_TAG, LOCK_OWNER_TAG, LOCK_SUFFIX
+
+    lock = "m" + LOCK_SUFFIX
+    registry.create_registered_model(lock, tags={LOCK_OWNER_TAG: "other:1:x",
+                                                 LOCK_EXPIRES_TAG: str(time.time() + 600)})
+    read = SqlAlchemyStore.get_registered_model
+    released = []
+
+    def holder_releases_first(self, name):
+        if name == lock and not released:
+            released.append(name)
+            registry.delete_registered_model(lock)
+        return read(self, name)
+
+    monkeypatch.setattr(SqlAlchemyStore, "get_registered_model", holder_releases_first)
+    with promotion_lock(registry, "m", wait_s=30):
+        set_alias(registry, "m", CHAMPION, "2", locked=True)
+    assert released and alias_version(registry, "m", CHAMPION) == "2"
+    assert [m.name for m in registry.search_registered_models()] == ["m"]
+
+
 def test_promote_names_what_exists(registry):
     with pytest.raises(TrackingError, match=r"m has no version '9'; versions: 1, 2, 3, 4"):
         set_alias(registry, "m", CHAMPION, "9")

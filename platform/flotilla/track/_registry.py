@@ -54,7 +54,9 @@ def promotion_lock(client: MlflowClient, name: str, wait_s: float = LOCK_WAIT_S,
                                            "removes it. One older than its expiry is taken over.")
             break
         except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS" and not lost_insert_race(e):
+            # RESOURCE_DOES_NOT_EXIST: MLflow's SQL store answers a duplicate name by reading the
+            # existing model, which its holder released in between; the lock is free, try again.
+            if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST") and not lost_insert_race(e):
                 raise
         _take_over_if_expired(client, lock)
         if time.monotonic() > deadline:
