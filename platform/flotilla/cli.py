@@ -297,6 +297,13 @@ def _predict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--actors", type=int, metavar="N", help="scoring actors, one CPU each (default: the cluster's "
                                                            "CPUs but one)")
     p.add_argument("--batch-size", type=int, default=4096, metavar="ROWS", help="rows per batch (default: %(default)s)")
+    _allow_factory_arg(p)
+
+
+def _allow_factory_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-factory", dest="factories", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="a `custom` model factory the model may import and run when it loads (repeatable; default "
+                        "none: a model.json names code, and whoever can write the registry or the bundle chose it)")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
@@ -306,6 +313,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(config=None)
     p._option_string_actions["--config"].help = (
         "the spec for the validation rows and the `export` section (default: the one the version was trained with)")
+    _allow_factory_arg(p)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -485,7 +493,8 @@ def _predict(args) -> int:
     from flotilla.predict import predict_table  # lazy
 
     outcome = predict_table(args.model, args.input, args.output, id_columns=args.id_columns,
-                            tracking_uri=args.tracking_uri, actors=args.actors, batch_size=args.batch_size)
+                            tracking_uri=args.tracking_uri, actors=args.actors, batch_size=args.batch_size,
+                            factories=args.factories)
     print(outcome.describe())
     if outcome.mlflow_run_id:
         print(f"MLflow run {outcome.mlflow_run_id} (batch prediction, linked to {outcome.model})")
@@ -495,7 +504,8 @@ def _predict(args) -> int:
 def _export(args) -> int:
     from flotilla.export import export_model  # lazy
 
-    outcome = export_model(args.model, tracking_uri=args.tracking_uri, config=args.config, overrides=args.overrides)
+    outcome = export_model(args.model, tracking_uri=args.tracking_uri, config=args.config, overrides=args.overrides,
+                           factories=args.factories)
     print(outcome.describe())
     return 0
 

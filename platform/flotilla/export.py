@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -29,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flotilla.bundle import ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, load_bundle
+from flotilla.bundle import ALLOW_ON_COMMAND_LINE, ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, load_bundle
 from flotilla.data import TOKENS, ByteWindows, prepare_data
 from flotilla.errors import BundleError, TrackingError
 from flotilla.metrics import primary_metric
@@ -241,13 +242,17 @@ class ExportOutcome:
 
 
 def export_model(reference: str, tracking_uri: str | None = None, config: str | None = None,
-                 overrides: list[str] = (), *, spec=None, prepared=None) -> ExportOutcome:
+                 overrides: list[str] = (), *, spec=None, prepared=None, factories: Iterable[str] = ()) -> ExportOutcome:
     """Build, gate and measure the ONNX variants of a registered version (NAME@ALIAS, NAME/VERSION)
     or of a bundle directory. A registered version's variants join it: its model's artifacts gain
     the bundle's `variants/` directory, and the version a `flotilla.runtime.<name>` tag per
     variant (passed or failed, and why). The validation rows come from the spec the version was
     trained with (its run's `spec.yaml`; a bundle directory: its run's, or `config`); the end of a
-    training run passes its own `spec` and `prepared` data."""
+    training run passes its own `spec` and `prepared` data.
+
+    A spec read back (the run's `spec.yaml`) is data: it allows no `custom` model factory and its
+    `model.trust_remote_code` is not honoured. `factories` (`--allow-factory`) and a spec the
+    caller gives (`config`, or `spec` from the training run) allow what they name."""
 
     with tempfile.TemporaryDirectory(prefix="flotilla-export-") as tmp, \
             local_bundle(reference, tracking_uri, "flotilla export") as found:
@@ -259,9 +264,13 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
                 raise TrackingError(f"{found.name} v{found.version} has no logged model to add variants to "
                                     f"(source {version.source})")
             spec_file = config or _run_spec(found, version.run_id, Path(tmp))
-        if spec is None:
-            spec = load_spec(spec_file, list(overrides))
-        bundle = load_bundle(found.path)
+        allowed = set(factories)
+        if spec is not None or config:
+            spec = spec if spec is not None else load_spec(config, list(overrides))
+            allowed |= spec.allowed_factories()
+        else:
+            spec = recorded_spec(spec_file, list(overrides))
+        bundle = load_bundle(found.path, factories=allowed, allow_with=ALLOW_ON_COMMAND_LINE)
         if prepared is None:
             ensure_ray(spec)
             prepared = prepare_data(spec)
@@ -272,6 +281,20 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
             return ExportOutcome(reference, None, found.path, records)
         _publish(found.client, found.name, found.version, found.path, found.relative, records)
         return ExportOutcome(found.name, found.version, found.path, records)
+
+
+def recorded_spec(path: str, overrides: list[str]):
+    """The spec a version was trained with, read back from its run, as data: its
+    `model.trust_remote_code` is turned off (whoever can write the run's artifacts would choose the
+    code it runs) unless the user's own `--set` turns it on."""
+    spec = load_spec(path, overrides)
+    if getattr(spec.model, "trust_remote_code", False) and \
+            not any(o.split("=", 1)[0].strip() == "model.trust_remote_code" for o in overrides):
+        print(f"note: {redact(path)} sets model.trust_remote_code; a spec read back from a run is not trusted to run "
+              "code, so it is off here (--set model.trust_remote_code=true turns it on, after reading that code)",
+              file=sys.stderr, flush=True)
+        spec = load_spec(path, [*overrides, "model.trust_remote_code=false"])
+    return spec
 
 
 def _run_spec(found: LocalBundle, run_id: str, tmp: Path) -> str:

@@ -9,7 +9,8 @@ predictions (and, for a classifier, each class's probability) are written as Par
 `OUTPUT/predictions/`, next to any id columns named. A row that cannot be scored (a numeric column
 holding text, an infinite value, an answer that is not a finite number) does not stop the job: the
 actor writes it under `OUTPUT/rejected/` with the reason. The counts are printed and, for a
-registered model, logged as an MLflow run linked to the model version.
+registered model, logged as an MLflow run linked to the model version. A `custom` model's factory
+is code: it runs only when `factories` (`--allow-factory`) names it, wherever the model came from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 import numpy as np
 import pandas as pd
@@ -31,7 +32,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from flotilla.bundle import BUNDLE_FILES, load_bundle
+from flotilla.bundle import ALLOW_ON_COMMAND_LINE, BUNDLE_FILES, load_bundle
 from flotilla.data import filesystem_for, resolve_source
 from flotilla.data._columns import as_numbers, numeric_matrix
 from flotilla.errors import DataError
@@ -79,7 +80,7 @@ class _Scorer:
     driver; Ray Data hands the reference over as is), then scores batches; rows it cannot score go
     to the rejected output."""
 
-    def __init__(self, files, columns: list[str], id_columns: list[str], output: str):
+    def __init__(self, files, columns: list[str], id_columns: list[str], output: str, factories: list[str]):
         import ray
         import torch
 
@@ -88,7 +89,7 @@ class _Scorer:
 
         torch.set_num_threads(1)  # one actor per reserved CPU
         self._dir = _bundle_dir(files, "flotilla-scorer-")
-        self.bundle = load_bundle(self._dir.name)
+        self.bundle = load_bundle(self._dir.name, factories=factories, allow_with=ALLOW_ON_COMMAND_LINE)
         self.columns, self.id_columns = columns, id_columns
         self.categorical = set(self.bundle.categorical)
         self.fs, self.root = pafs.FileSystem.from_uri(output) if "://" in output else (pafs.LocalFileSystem(),
@@ -171,16 +172,17 @@ def _says_nan(values: pd.Series) -> np.ndarray:
 # ------------------------------------------------------------------------------ the job
 def predict_table(model: str, source: str, output: str, *, id_columns: list[str] = (), tracking_uri: str | None = None,
                   actors: int | None = None, batch_size: int = 4096, fmt: str = "auto",
-                  progress_every_s: float = 10.0) -> PredictOutcome:
+                  progress_every_s: float = 10.0, factories: Collection[str] = ()) -> PredictOutcome:
     """Score every row of `source` with `model`; see the module docstring. Every `progress_every_s`
-    seconds a line says how many rows are done and when the rest will be (0: no such lines)."""
+    seconds a line says how many rows are done and when the rest will be (0: no such lines).
+    `factories`: the `custom` model factories the model may run (`--allow-factory`)."""
     import ray
     import ray.data
 
     started = time.monotonic()
     files, origin = resolve_model(model, tracking_uri)
     with _bundle_dir(files, "flotilla-predict-") as here:
-        bundle = load_bundle(here)
+        bundle = load_bundle(here, factories=factories, allow_with=ALLOW_ON_COMMAND_LINE)
     if bundle.task == "lm":
         raise DataError(f"--model {model!r} is a language model; batch scoring takes tabular models")
     columns = list(bundle.schema.feature_columns)
@@ -202,7 +204,7 @@ def predict_table(model: str, source: str, output: str, *, id_columns: list[str]
     scored = ds.map_batches(
         _Scorer, batch_format="pandas", batch_size=batch_size, num_cpus=1,
         fn_constructor_kwargs={"files": ray.put(files), "columns": columns, "id_columns": list(id_columns),
-                               "output": output},
+                               "output": output, "factories": list(factories)},
         compute=ray.data.ActorPoolStrategy(size=size),  # all at once: each takes seconds to load torch
     )
     total = pads.dataset(found.paths, filesystem=found.filesystem, format=found.format).count_rows() \

@@ -83,6 +83,9 @@ def user_module(tmp_path, monkeypatch):
             return "not a module"
         def broken(spec, schema):
             raise KeyError("width")
+        def planted(spec, schema):
+            open(spec["options"]["marker"], "w").write("ran")
+            return torch.nn.Linear(schema["num_features"], 1)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
@@ -95,7 +98,7 @@ def test_user_factory(user_module):
     assert model(torch.zeros(3, 4)).shape == (3, 1)
     with pytest.raises(ModelError, match="returned str, not a torch.nn.Module"):
         build_model({"kind": "custom", "factory": "my_models:bad", "options": {}}, schema)
-    with pytest.raises(ModelError, match="has no callable 'nope'; it has: bad, broken, good"):
+    with pytest.raises(ModelError, match="has no callable 'nope'; it has: bad, broken, good, planted"):
         build_model({"kind": "custom", "factory": "my_models:nope", "options": {}}, schema)
     with pytest.raises(ModelError, match="cannot import 'no_such_pkg.mod' \\(No module named 'no_such_pkg'\\)"):
         build_model({"kind": "custom", "factory": "no_such_pkg.mod:f", "options": {}}, schema)
@@ -130,7 +133,8 @@ def test_the_data_schema_is_checked_where_it_is_read(tmp_path):
 
 
 def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_path):
-    from flotilla.bundle import load_bundle, write_bundle
+    from flotilla.bundle import ALLOW_ON_COMMAND_LINE, load_bundle, write_bundle
+    from flotilla.spec import load_spec
     from flotilla.data import DataSchema
     from flotilla.errors import BundleError
 
@@ -138,11 +142,18 @@ def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_pat
     custom = {"kind": "custom", "factory": "my_models:good", "options": {"out": 1}}
     state = build_model(custom, schema).state_dict()
     bundle = write_bundle(tmp_path / "custom", state, custom, schema, {"features": [], "label": None}, {})
-    # A registered version is loaded with an explicit list of factories (serve.allow_factories).
+    # No factory runs unless the loader's caller lists it (serve.allow_factories, --allow-factory, the run's own spec).
+    sys.modules.pop("my_models", None)
     with pytest.raises(BundleError, match=r"factory 'my_models:good'.*--set \"serve.allow_factories=\['my_models:good'\]\""):
-        load_bundle(bundle, factories=())
+        load_bundle(bundle)
+    with pytest.raises(BundleError, match=r"factory 'my_models:good'.*loads only where its factory is allowed: "
+                                          r"--allow-factory my_models:good$"):
+        load_bundle(bundle, factories=["other:f"], allow_with=ALLOW_ON_COMMAND_LINE)
+    assert "my_models" not in sys.modules  # refused before anything was imported
     assert load_bundle(bundle, factories=["my_models:good"]).model(torch.zeros(2, 4)).shape == (2, 1)
-    assert load_bundle(bundle).model_spec["factory"] == "my_models:good"  # your own run's bundle
+    own = load_spec(None, ["model.kind=custom", "model.factory=my_models:good", "model.options={out: 1}"])
+    assert own.allowed_factories() == {"my_models:good"}  # the run that wrote it allows its own factory
+    assert load_bundle(bundle, factories=own.allowed_factories()).model_spec["factory"] == "my_models:good"
     # model.json is checked with the spec's own model sections before anything is built.
     meta = json.loads((bundle / "model.json").read_text())
     for model, reason in [({**custom, "options": "lots"}, r"model.custom.options: Input should be a valid dictionary"),
@@ -151,6 +162,45 @@ def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_pat
         (bundle / "model.json").write_text(json.dumps({**meta, "model": model}))
         with pytest.raises(BundleError, match=reason):
             load_bundle(bundle)
+
+
+def test_predict_and_export_run_no_factory_unless_allowed_on_the_command_line(user_module, tmp_path, capsys):
+    """A model.json written into a bundle (or the registry) names code that loading would run:
+    `flotilla predict` and `flotilla export` refuse it, run nothing, and name --allow-factory."""
+    from flotilla.bundle import write_bundle
+    from flotilla.cli import main
+    from flotilla.data import DataSchema
+    from flotilla.spec import load_spec, spec_to_yaml
+
+    marker = tmp_path / "ran.txt"
+    schema = DataSchema(task="regression", feature_columns=["a", "b", "c", "d"], label_column="y", num_features=4)
+    custom = {"kind": "custom", "factory": "my_models:planted", "options": {"marker": str(marker)}}
+    write_bundle(tmp_path / "run" / "bundle", torch.nn.Linear(4, 1).state_dict(), custom, schema,
+                 {"features": [], "label": None}, {})
+    spec = load_spec(None, ["model.kind=custom", "model.factory=my_models:planted", f"model.options={{marker: {marker}}}"])
+    (tmp_path / "run" / "spec.yaml").write_text(spec_to_yaml(spec))  # the run's own record: data, not permission
+    (tmp_path / "rows.csv").write_text("a,b,c,d\n1,2,3,4\n")
+    sys.modules.pop("my_models", None)
+    assert main(["predict", "--model", str(tmp_path / "run"), "--input", str(tmp_path / "rows.csv"),
+                 "--output", str(tmp_path / "out")]) == 2
+    assert main(["export", "--model", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("factory 'my_models:planted', code that loading it would run; a custom model loads only "
+                     "where its factory is allowed: --allow-factory my_models:planted") == 2, err
+    assert not marker.exists() and "my_models" not in sys.modules
+
+
+def test_export_does_not_honour_trust_remote_code_from_a_recorded_spec(tmp_path, capsys):
+    from flotilla.export import recorded_spec
+    from flotilla.spec import load_spec, spec_to_yaml
+
+    written = load_spec(None, ["model.kind=hf_causal_lm", "model.pretrained=tiny-llama", "model.trust_remote_code=true",
+                               "data.source=arith"])
+    assert written.model.trust_remote_code
+    (tmp_path / "spec.yaml").write_text(spec_to_yaml(written))
+    assert not recorded_spec(str(tmp_path / "spec.yaml"), []).model.trust_remote_code
+    assert "sets model.trust_remote_code; a spec read back from a run is not trusted" in capsys.readouterr().err
+    assert recorded_spec(str(tmp_path / "spec.yaml"), ["model.trust_remote_code=true"]).model.trust_remote_code
 
 
 def test_generations_decoded_together_write_what_each_writes_alone():

@@ -40,7 +40,7 @@ def _bundle_files(tmp_path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("backend", ["numpy", "pyarrow"])  # Ray Data hands Arrow-backed columns
 def test_the_scorer_predicts_what_it_can_and_writes_the_rest_aside_with_the_reason(tmp_path, backend):
-    scorer = _Scorer(_bundle_files(tmp_path), COLUMNS, ["id"], str(tmp_path / "out"))
+    scorer = _Scorer(_bundle_files(tmp_path), COLUMNS, ["id"], str(tmp_path / "out"), factories=[])
     batch = _table(20, seed=3)
     batch.insert(0, "id", range(20))
     batch["income"] = batch["income"].astype(str)  # a CSV column with one bad cell is read as text

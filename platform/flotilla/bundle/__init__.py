@@ -13,12 +13,12 @@ from flotilla.bundle._onnx import (ONNX_FILE, RUNTIMES, VARIANTS_DIR, VARIANTS_J
                                    choose_runtime, read_variants)
 from flotilla.bundle._protocol import Bundle
 from flotilla.bundle._sampling import sample_token
-from flotilla.bundle._torch import (BUNDLE_FILES, GENERATE_DEFAULTS, METRICS_JSON, MODEL_JSON, PREPROCESSORS_JSON,
+from flotilla.bundle._torch import (ALLOW_IN_SERVE, ALLOW_ON_COMMAND_LINE, BUNDLE_FILES, GENERATE_DEFAULTS, METRICS_JSON, MODEL_JSON, PREPROCESSORS_JSON,
                                     WEIGHTS, InferenceBundle, file_sha256, load_torch_bundle, read_bundle_metrics,
                                     write_bundle)
 
 __all__ = [
-    "ADAPTER_DIR", "BUNDLE_COPYING", "BUNDLE_FILES", "GENERATE_DEFAULTS", "METRICS_JSON", "MODEL_JSON", "ONNX_FILE", "PREPROCESSORS_JSON",
+    "ALLOW_IN_SERVE", "ALLOW_ON_COMMAND_LINE", "ADAPTER_DIR", "BUNDLE_COPYING", "BUNDLE_FILES", "GENERATE_DEFAULTS", "METRICS_JSON", "MODEL_JSON", "ONNX_FILE", "PREPROCESSORS_JSON",
     "RUNTIMES", "VARIANTS_DIR", "VARIANTS_JSON", "WEIGHTS", "Bundle", "HFBundle", "InferenceBundle", "OnnxCache",
     "OnnxModel", "TextDecoder", "bundle_kind", "choose_runtime", "file_sha256", "find_bundle", "load_bundle",
     "load_hf_bundle", "load_torch_bundle", "read_bundle_metrics", "read_variants", "sample_token", "serving_app", "weights_file",

@@ -8,7 +8,7 @@ from typing import Collection
 
 from flotilla.bundle._hf import is_hf_bundle, load_hf_bundle
 from flotilla.bundle._protocol import Bundle
-from flotilla.bundle._torch import BUNDLE_FILES, MODEL_JSON, load_torch_bundle
+from flotilla.bundle._torch import ALLOW_IN_SERVE, BUNDLE_FILES, MODEL_JSON, load_torch_bundle
 from flotilla.errors import BundleError
 
 # Beside a run's `bundle/` while training copies it there (removed last): the bundle is incomplete.
@@ -43,13 +43,13 @@ def find_bundle(path: str | Path, what: str = "--model") -> Path:
                       "a run's bundle directory, NAME@ALIAS or NAME/VERSION")
 
 
-def load_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> Bundle:
+def load_bundle(path: str | Path, *, factories: Collection[str] = (), allow_with: str = ALLOW_IN_SERVE) -> Bundle:
     """The bundle in directory `path`, loaded by its format's loader. `factories` lists the `custom`
-    model factories this caller allows to run (None: any, for a bundle your own run wrote)."""
+    model factories this caller allows to run (default none; see `load_torch_bundle`)."""
     root = Path(path)
-    if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON as well)
+    if is_hf_bundle(root):  # a fine-tuned pretrained model: its own format (safetensors + JSON, no code)
         return load_hf_bundle(root)
-    return load_torch_bundle(root, factories=factories)
+    return load_torch_bundle(root, factories=factories, allow_with=allow_with)
 
 
 def serving_app(model_spec: dict, task: str) -> str:

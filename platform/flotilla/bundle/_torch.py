@@ -44,6 +44,9 @@ WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON = (
     "metrics.json",
 )
 BUNDLE_FILES = (WEIGHTS, MODEL_JSON, PREPROCESSORS_JSON, METRICS_JSON)
+# How a user allows a custom model's factory, by the loader's caller (`{factory}`: the factory).
+ALLOW_IN_SERVE = "--set \"serve.allow_factories=['{factory}']\""
+ALLOW_ON_COMMAND_LINE = "--allow-factory {factory}"
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "seed": -1}
 
 
@@ -328,11 +331,14 @@ def read_bundle_metrics(fs, path: str) -> dict[str, Any]:
         return json.loads(f.read())
 
 
-def load_torch_bundle(path: str | Path, *, factories: Collection[str] | None = None) -> InferenceBundle:
+def load_torch_bundle(path: str | Path, *, factories: Collection[str] = (),
+                      allow_with: str = ALLOW_IN_SERVE) -> InferenceBundle:
     """The bundle in directory `path`. Its `model.json` is validated with the spec's own model
     sections; a `custom` model imports and runs its factory, so `factories` lists the ones this
-    caller allows (`package.module:function`): None allows any (a bundle your own run wrote), a
-    registered version is loaded with an explicit list (`serve.allow_factories`, default none)."""
+    caller allows (`package.module:function`; default none, wherever the bundle came from): the
+    run that wrote it allows its own spec's, serving `serve.allow_factories`, `flotilla predict`
+    and `export` their `--allow-factory`. `allow_with` says how the caller's user allows one
+    (`{factory}` stands for it) in the refusal."""
     root = Path(path)
     missing = [name for name in BUNDLE_FILES if not (root / name).is_file()]
     if missing:
@@ -348,11 +354,11 @@ def load_torch_bundle(path: str | Path, *, factories: Collection[str] | None = N
         error = e.errors()[0]
         where = ".".join(["model", *map(str, error["loc"])])
         raise BundleError(f"{root / MODEL_JSON} has no valid model: {where}: {error['msg']}") from None
-    if isinstance(model_spec, CustomModelSpec) and factories is not None and model_spec.factory not in factories:
+    if isinstance(model_spec, CustomModelSpec) and model_spec.factory not in factories:
         raise BundleError(
             f"{root / MODEL_JSON} builds its model with the factory {model_spec.factory!r}, code that loading it "
-            f"would run; a registered custom model loads only where the spec allows its factory: "
-            f"--set \"serve.allow_factories=['{model_spec.factory}']\""
+            f"would run; a custom model loads only where its factory is allowed: "
+            + allow_with.format(factory=model_spec.factory)
         )
     preprocessors = json.loads((root / PREPROCESSORS_JSON).read_text())
     model = build_model(model_spec.model_dump(mode="json"), schema)

@@ -521,6 +521,13 @@ class RunSpec(_Section):
     export: ExportSpec = Field(default_factory=ExportSpec, description="ONNX and int8 variants (`flotilla export`).")
     cost: CostSpec = Field(default_factory=CostSpec, description="Prices for resource accounting.")
 
+    def allowed_factories(self) -> frozenset[str]:
+        """The `custom` model factories this spec lets a bundle run when it is loaded: its own
+        model's and `serve.allow_factories`. Only a spec the user gave counts; one read back from
+        the registry or a run directory is data and allows none."""
+        own = {self.model.factory} if isinstance(self.model, CustomModelSpec) else set()
+        return frozenset(own | set(self.serve.allow_factories))
+
     @model_validator(mode="before")
     @classmethod
     def _model_kind_defaults_to_mlp(cls, raw: Any) -> Any:

@@ -358,7 +358,7 @@ class Tracker:
         from mlflow.models import infer_signature
 
 
-        bundle = load_bundle(bundle_dir)
+        bundle = load_bundle(bundle_dir, factories=self.spec.allowed_factories())
         if bundle.task == "lm":
             example = pd.DataFrame({"prompt": ["def "]})
             params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
@@ -443,13 +443,12 @@ class Tracker:
 
         task = prepared.schema.task
         current = alias_version(self.client, self.model_name, CHAMPION)
-        candidate = load_bundle(bundle_dir)
+        # A custom model's factory runs only if this run's spec names it (model or serve), the champion's too.
+        allowed = self.spec.allowed_factories()
+        candidate = load_bundle(bundle_dir, factories=allowed)
         bundles = [candidate]
         if current is not None:
             try:
-                # A custom champion's factory runs only if this run's spec names it (model or serve).
-                own = getattr(self.spec.model, "factory", None)
-                allowed = set(self.spec.serve.allow_factories) | ({own} if own else set())
                 bundles.append(load_registered_bundle(self.client, self.model_name, current, factories=allowed))
             except Exception as e:
                 decision.passed = False

@@ -6,6 +6,9 @@ MLflow stores this file with the model and runs it on load; the weights come fro
     model = mlflow.pyfunc.load_model("models:/digits@champion")
     model.predict(pandas.DataFrame(rows))        # classification: columns `prediction`, `probabilities`
     model.predict(pandas.DataFrame({"prompt": ["def "]}), params={"max_tokens": 32})   # gpt: `text`
+
+A `custom` model's factory is code; it runs only when the caller allows it:
+`mlflow.pyfunc.load_model(uri, model_config={"allow_factories": ["my_models:build"]})`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ class BundleModel(PythonModel):
         # Function-local: MLflow imports this file to log the model; Flotilla loads when the model does.
         from flotilla.bundle import load_bundle
 
-        self.bundle = load_bundle(context.artifacts["bundle"])
+        allowed = (context.model_config or {}).get("allow_factories", ())
+        self.bundle = load_bundle(context.artifacts["bundle"], factories=allowed,
+                                  allow_with="mlflow.pyfunc.load_model(..., model_config={{'allow_factories': ['{factory}']}})")
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         return self.bundle.predict_frame(model_input, params)
