@@ -164,6 +164,20 @@ def test_a_bundle_runs_no_factory_its_loader_does_not_allow(user_module, tmp_pat
             load_bundle(bundle)
 
 
+def test_a_factory_imports_from_the_working_directory_as_the_docs_say(tmp_path, monkeypatch):
+    """The `flotilla` command is an installed script: the working directory is not on its path, yet
+    the docs say to run it from the directory that holds the factory's module."""
+    (tmp_path / "here_models.py").write_text("import torch\ndef build(spec, schema):\n    return torch.nn.Linear(4, 1)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), ".")])
+    try:
+        model = build_model({"kind": "custom", "factory": "here_models:build", "options": {}}, {"task": "regression"})
+        assert model(torch.zeros(2, 4)).shape == (2, 1)
+        assert sys.path[-1] == str(tmp_path)  # after the installed packages: a local file shadows none
+    finally:
+        sys.modules.pop("here_models", None)
+
+
 def test_predict_and_export_run_no_factory_unless_allowed_on_the_command_line(user_module, tmp_path, capsys):
     """A model.json written into a bundle (or the registry) names code that loading would run:
     `flotilla predict` and `flotilla export` refuse it, run nothing, and name --allow-factory."""

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from torch import nn
@@ -38,12 +40,25 @@ def build_model(model_spec: dict[str, Any], schema) -> nn.Module:
     return model
 
 
+def _import_from_here(module_name: str):
+    """`module_name`, also from the working directory: `python -m` and `ray job submit --working-dir`
+    put it on the path, the `flotilla` command (an installed script) does not."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # after the installed packages: a local file never shadows one
+        return importlib.import_module(module_name)
+
+
 def load_factory(path: str):
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ModelError(f"model.factory {path!r} must look like `package.module:function`")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_here(module_name)
     except ImportError as e:
         raise ModelError(
             f"model.factory {path!r}: cannot import {module_name!r} ({e}); run from the directory "

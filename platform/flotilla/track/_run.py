@@ -384,6 +384,9 @@ class Tracker:
                 signature=signature,
                 input_example=(example, params) if params else example,
                 pip_requirements=[_pin(p) for p in MODEL_REQUIREMENTS],
+                # The pyfunc runs code the registry holds anyway (see bundle_pyfunc); it may run
+                # the factory this run built its model with, and only that one.
+                model_config={"allow_factories": sorted(self.spec.allowed_factories() - set(self.spec.serve.allow_factories))},
             )
         return info.model_uri
 

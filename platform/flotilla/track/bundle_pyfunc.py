@@ -7,8 +7,10 @@ MLflow stores this file with the model and runs it on load; the weights come fro
     model.predict(pandas.DataFrame(rows))        # classification: columns `prediction`, `probabilities`
     model.predict(pandas.DataFrame({"prompt": ["def "]}), params={"max_tokens": 32})   # gpt: `text`
 
-A `custom` model's factory is code; it runs only when the caller allows it:
-`mlflow.pyfunc.load_model(uri, model_config={"allow_factories": ["my_models:build"]})`.
+A `custom` model's factory is code; it runs only when the model config allows it: the run logs
+the factory it trained with (`model_config`), and `mlflow.pyfunc.load_model(uri,
+model_config={"allow_factories": [...]})` replaces that list. Loading a pyfunc model runs this file
+as the registry holds it, so it trusts the registry; Flotilla's own loaders do not (`flotilla.track.load_registered_bundle`).
 """
 
 from __future__ import annotations
