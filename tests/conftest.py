@@ -33,15 +33,16 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # the other the modules that build clusters of their own (Serve there runs in other network
 # namespaces) and those that need only a local Ray, which that lane starts for itself: about
 # equal halves. Each lane is one process that runs its modules in file order, so module- and
-# session-scoped fixtures are built once. The unit tests join the second lane.
+# session-scoped fixtures are built once. The unit tests (no Ray) join the first lane, after its
+# integration modules: the second, with the hosts' elastic runs, was the longer by minutes.
 OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming",
                 "test_bad_input", "test_finetune_weights", "test_tracking_server", "test_tune"}
 
 
 def lane(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    on_session_ray = "/integration/" in path and Path(path).stem not in OWN_CLUSTERS
-    return "session-ray" if on_session_ray else "own-clusters"
+    own = "/integration/" not in path and "/unit/" not in path or Path(path).stem in OWN_CLUSTERS
+    return "own-clusters" if own else "session-ray"
 
 
 def pytest_itemcollected(item):
