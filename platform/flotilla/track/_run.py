@@ -359,6 +359,7 @@ class Tracker:
 
 
         bundle = load_bundle(bundle_dir, factories=self.spec.allowed_factories())
+        own = getattr(self.spec.model, "factory", None)
         if bundle.task == "lm":
             example = pd.DataFrame({"prompt": ["def "]})
             params = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "seed": 0}
@@ -384,9 +385,10 @@ class Tracker:
                 signature=signature,
                 input_example=(example, params) if params else example,
                 pip_requirements=[_pin(p) for p in MODEL_REQUIREMENTS],
-                # The pyfunc runs code the registry holds anyway (see bundle_pyfunc); it may run
-                # the factory this run built its model with, and only that one.
-                model_config={"allow_factories": sorted(self.spec.allowed_factories() - set(self.spec.serve.allow_factories))},
+                # The pyfunc runs code the registry holds anyway (see bundle_pyfunc); a custom model's
+                # may run the factory this run built it with, and only that one (MLflow also logs
+                # a model config as the run's params: `allow_factories`, custom models only).
+                model_config={"allow_factories": [own]} if own else None,
             )
         return info.model_uri
 
