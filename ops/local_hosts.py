@@ -406,21 +406,22 @@ with s3.open_input_stream(run + "/bundle/metrics.json") as f:
 
     def drain(self, host: str, deadline_s: int) -> float:
         """A spot notice for `host`, as a cloud's reaches Ray (`ray drain-node` with the preemption reason
-        and a deadline, from the client host); the time it was given."""
+        and a deadline, from the client host); the time Ray had it (when the command returned). The
+        command takes its deadline when it starts, a second or two before: the deadline is at most
+        `deadline_s` after the time returned, so a kill at that time is at or just past it."""
         node = self.on_client(f"""
 import json
 from ray.util.state import list_nodes
 print(json.dumps([n.node_id for n in list_nodes(address={self.jobs_address!r}) if n.node_ip == {self[host].address!r}
                   and n.state == "ALIVE"][0]))
 """)
-        noticed_at = time.time()
         out = self.run("client", ["ray", "drain-node", "--address", f"{self.head_address}:{GCS_PORT}",
                                   "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
                                   "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds",
                                   str(deadline_s)], timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"ray drain-node {host}: {out.stdout + out.stderr}")
-        return noticed_at
+        return time.time()
 
     # ------------------------------------------------------------------ faults and teardown
     def kill_host(self, name: str) -> list[int]:

@@ -131,6 +131,69 @@ _STORAGE_FIX = {
 }
 
 
+# Ray's autoscaling coordinator (a detached actor, `(name, namespace)`) tells an elastic run's restarts,
+# and Ray Data's autoscaling, which nodes have room. Its own view counts a draining node as a live
+# one until the node is gone, while new placements there are refused: a run restarted at its drain
+# deadline first asks for the old size and waits out a placement timeout. The view Flotilla gives
+# it (`usable_nodes`) leaves out a node from DRAIN_MARGIN_S before its drain deadline (and one that
+# drains without a deadline); until then a run trains on it, having checkpointed at the notice.
+AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+DRAIN_MARGIN_S = 3.0
+
+
+def _usable_nodes_view(margin_s: float):
+    """`ray.nodes()` less the nodes that drain without a deadline or within `margin_s` of theirs. A
+    function defined in here: cloudpickle sends it by value, so the coordinator's node needs no
+    Flotilla installed."""
+
+    def usable_nodes() -> list[dict]:
+        import time as _time
+
+        import ray as _ray
+
+        nodes = _ray.nodes()
+        try:  # the drains Ray Core knows of, {node id: deadline in ms, 0 for none}, read as Ray Train reads them
+            draining = _ray._private.state.state.get_draining_nodes() or {}
+        except Exception:
+            return nodes
+        soon_ms = (_time.time() + margin_s) * 1000
+        return [n for n in nodes if n["NodeID"] not in draining
+                or (draining[n["NodeID"]] and draining[n["NodeID"]] > soon_ms)]
+
+    return usable_nodes
+
+
+def usable_nodes() -> list[dict]:
+    """The nodes (as `ray.nodes()` lists them) that a restart may be placed on now."""
+    return _usable_nodes_view(DRAIN_MARGIN_S)()
+
+
+def start_autoscaling_coordinator() -> bool:
+    """Start Ray's autoscaling coordinator (Ray's own actor class, under Ray's name and options) with
+    the `usable_nodes` view, unless it runs already: the first elastic run on a cluster starts it,
+    before its data is prepared (Ray Data starts it otherwise), for every run after it. True when
+    this call started it."""
+    try:
+        ray.get_actor(*AUTOSCALING_COORDINATOR)
+        return False
+    except ValueError:
+        pass
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            _AutoscalingCoordinatorActor,
+        )
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        name, namespace = AUTOSCALING_COORDINATOR
+        ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_AutoscalingCoordinatorActor).options(
+            name=name, namespace=namespace, get_if_exists=True, lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(get_cluster_nodes=_usable_nodes_view(DRAIN_MARGIN_S))
+        return True
+    except Exception:  # another Ray's coordinator: Ray starts its own, and a restart at a drain deadline
+        return False   # waits out one placement timeout instead
+
+
 def local_storage(storage_path: str, tracking_uri: str | None) -> dict[str, str]:
     """{field: local directory} for the storage a run writes that is a path on this node: the
     resolved `train.storage_path` unless it is a URI, and a SQLite tracking store's directory."""

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flotilla.cluster import check_storage_reaches_every_node, local_storage
+from flotilla.cluster import check_storage_reaches_every_node, local_storage, start_autoscaling_coordinator
 from flotilla.bundle import read_bundle_metrics
 from flotilla.data import PreparedData, filesystem_for, prepare_data
 from flotilla.errors import SpecError
@@ -44,6 +44,8 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     run_name = spec.train.run_name or new_run_name(spec)
     tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
+    if spec.train.elastic and not in_trial:  # before Ray Data starts Ray's own (see the function)
+        start_autoscaling_coordinator()
     check_cluster_fits(spec)
     if check_storage:
         for note in check_storage_reaches_every_node(local_storage(spec.train.storage_path,

@@ -26,9 +26,12 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from flotilla._epochs import EPOCHS_DIR, EpochRelay
 from flotilla.bundle import BUNDLE_COPYING, read_bundle_metrics
 from flotilla.cluster import (
+    AUTOSCALING_COORDINATOR,
     ResourceUse,
     prices_for,
     resource_use,
+    start_autoscaling_coordinator,
+    usable_nodes,
     wait_for_room,
 )
 from flotilla.data import PreparedData, describe_columns, filesystem_for
@@ -252,17 +255,16 @@ def _fit_with_ray_train(config: WorkerConfig, prepared, storage: str, callbacks:
 
 
 # An elastic run's worker group restarts at the size Ray Train's autoscaling coordinator sees room for.
-# Its view of the nodes is refreshed every 20 s and counts a draining node as a live one, and a run
-# that lost a node restarts within seconds: it first asks for the old size, whose placement waits
-# for the lost (or draining) node until Ray Train's worker group start timeout (60 s by default)
-# before it chooses again. Elastic runs wait this long instead (Ray Train hands the driver's value to
-# its controller): the coordinator only offers nodes that exist, so a placement that can succeed does
-# in well under a second, and a failed one is retried without counting against `train.max_failures`.
-# The coordinator is also asked to look again as soon as a node joins or leaves, so the second choice
-# sees the nodes as they are.
-ELASTIC_START_TIMEOUT_S = 10
+# Its view of the nodes is refreshed every 20 s, and a run that lost a node restarts within seconds:
+# it first asks for the old size, whose placement waits for the lost node until Ray Train's worker
+# group start timeout (60 s by default) before it chooses again. Elastic runs wait 5 s instead (Ray
+# Train hands the driver's value to its controller): the coordinator only offers nodes that exist,
+# so a placement that can succeed does in well under a second, and a failed one is retried without
+# counting against `train.max_failures`. The coordinator is also asked to look again as soon as a
+# node joins or leaves, or a draining node nears its deadline (`flotilla.cluster.usable_nodes`), so
+# the second choice sees the nodes as they are.
+ELASTIC_START_TIMEOUT_S = 5
 _START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's (name, namespace)
 
 
 @contextlib.contextmanager
@@ -273,17 +275,19 @@ def _elastic_restarts(elastic: bool):
     stop = threading.Event()
 
     def watch() -> None:
-        alive = None
+        seen = None
         while not stop.wait(1.0):
             try:
-                now = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-                if alive is not None and now != alive:
-                    coordinator = ray.get_actor(*_COORDINATOR)
+                usable = {n["NodeID"] for n in usable_nodes()}
+                now = {(n["NodeID"], n["NodeID"] in usable) for n in ray.nodes() if n["Alive"]}
+                if seen is not None and now != seen:
+                    coordinator = ray.get_actor(*AUTOSCALING_COORDINATOR)
                     coordinator.get_reserved_resources.remote("flotilla-nodes-changed", recompute=True)
-                alive = now
+                seen = now
             except Exception:  # no coordinator yet, or the cluster busy: the next second asks again
                 continue
 
+    start_autoscaling_coordinator()
     thread = threading.Thread(target=watch, name="flotilla-elastic-nodes", daemon=True)
     set_here = _START_TIMEOUT_ENV not in os.environ
     if set_here:
