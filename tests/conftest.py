@@ -36,7 +36,7 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # session-scoped fixtures are built once. The unit tests (no Ray) join the first lane, after its
 # integration modules: the second, with the hosts' elastic runs, was the longer by minutes.
 OWN_CLUSTERS = {"test_autoscaling", "test_cluster", "test_hosts", "test_streaming",
-                "test_bad_input", "test_tracking_server", "test_tune"}
+                "test_bad_input", "test_finetune_weights", "test_tracking_server", "test_tune"}
 
 
 def lane(nodeid: str) -> str:

@@ -1,9 +1,9 @@
 """What an elastic run's restarts are offered: a cluster of two nodes (a head and a worker node, Ray's
 own `cluster_utils` in a process of its own), the worker node drained with `ray drain-node` as a
 spot notice is. Until its deadline is near the node is offered (the run trains on it and commits
-a checkpoint at the notice); from `flotilla.cluster.DRAIN_MARGIN_S` (3 s) before it, it is not, and the autoscaling
-coordinator an elastic run starts (Ray's own actor) then reserves the run's workers on the other
-node only."""
+a checkpoint at the notice); from `flotilla.cluster.DRAIN_MARGIN_S` (3 s) before it, it is not,
+and the autoscaling coordinator an elastic run starts (Ray's own actor) then reserves the run's
+workers on the other node only."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import textwrap
 
 import pytest
 
+from tests.services import free_ports
+
 from ._helpers import ROOT
 
 pytestmark = [pytest.mark.integration]
 
 
 def test_a_draining_node_is_offered_until_its_deadline_is_near_and_not_after(tmp_path):
+    gcs, *agents = free_ports(7)  # each node's agent, metrics and runtime-env ports
     script = textwrap.dedent(f"""
         import json, os, subprocess, sys, time
         sys.path.insert(0, {str(ROOT / 'platform')!r})
@@ -27,8 +30,12 @@ def test_a_draining_node_is_offered_until_its_deadline_is_near_and_not_after(tmp
         from ray.cluster_utils import Cluster
         from flotilla import cluster as flotilla_cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1, "include_dashboard": False}})
-        worker = cluster.add_node(num_cpus=2)
+        # Ports of its own (the session's local Ray may hold Ray's defaults).
+        names = ("dashboard_agent_listen_port", "metrics_export_port", "runtime_env_agent_port")
+        ports = lambda some: dict(zip(names, some))
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1, "include_dashboard": False,
+                                                                "gcs_server_port": {gcs}, **ports({agents[:3]})}})
+        worker = cluster.add_node(num_cpus=2, **ports({agents[3:]}))
         try:
             ray.init(address=cluster.address)
             cluster.wait_for_nodes()
