@@ -89,6 +89,9 @@ class Hosts:
     # Hosts made with the others but booted only by `start_node` (`spare1`, ...): capacity that joins
     # later, as an autoscaler's new node does.
     spares: int = 0
+    # Each host's link limited to this many Mbit/s each way (Linux `tc` token-bucket filters on both
+    # ends of its veth), like a link between racks or data centres; 0: the veth's own speed.
+    link_mbit: float = 0.0
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     hosts: list[Host] = field(default_factory=list)
 
@@ -189,6 +192,29 @@ class Hosts:
             _ip("-n", net, "link", "set", host.name, "up")
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
+            if self.link_mbit:  # what the host sends (its eth0) and what it receives (the bridge's end)
+                _limit(host.namespace, "eth0", self.link_mbit)
+                _limit(net, host.name, self.link_mbit)
+
+    def measure_link(self, sender: str = "worker1", receiver: str = "worker2", seconds: float = 2.0) -> float:
+        """Mbit/s of one TCP stream from `sender` to `receiver` for `seconds` (an iperf-style transfer
+        in Python, timed where it is received)."""
+        to = self[receiver].address
+        server = subprocess.Popen(self.command(receiver, [sys.executable, "-c", _RECEIVE, to, str(LINK_PROBE_PORT)]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"link probe on {receiver}: {server.stdout.read()[-2000:]}")
+            sent = self.run(sender, [sys.executable, "-c", _SEND, to, str(LINK_PROBE_PORT), str(seconds)],
+                            timeout=seconds + 60)
+            if sent.returncode != 0:
+                raise RuntimeError(f"link probe from {sender}: {(sent.stdout + sent.stderr)[-2000:]}")
+            received, elapsed = map(float, server.communicate(timeout=60)[0].split())
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        return received * 8 / elapsed / 1e6
 
     @property
     def hosts_file(self) -> Path:
@@ -514,6 +540,44 @@ def can_make_hosts() -> str | None:
     return None
 
 
+LINK_PROBE_PORT = 5201  # iperf's
+# The two ends of `measure_link`: the receiver counts what arrives from its first byte to the end.
+_RECEIVE = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+n, first = 0, None
+while True:
+    data = c.recv(1 << 20)
+    if not data:
+        break
+    first = first or time.perf_counter()
+    n += len(data)
+print(n, time.perf_counter() - first)
+"""
+_SEND = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+chunk, end = bytes(1 << 16), time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end:
+    c.sendall(chunk)
+c.close()
+"""
+
+
+def _limit(namespace: str, device: str, mbit: float) -> None:
+    """A token-bucket filter on `device`'s egress: `mbit` Mbit/s, bursts of 10 ms of it (at least a
+    few packets), packets queued at most 50 ms. (tbf, not netem: netem is not in every kernel.)"""
+    burst = max(16 * 1024, int(mbit * 1e6 / 8 / 100))
+    subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+                    "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms"],
+                   check=True, capture_output=True, text=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "exec", "status"])
@@ -524,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", default="", help="the shared storage directory (default: /var/tmp/PREFIX-shared)")
     parser.add_argument("--no-s3", action="store_true",
                         help="no S3 endpoint: cluster.yaml's s3://BUCKET/ becomes the shared directory")
+    parser.add_argument("--link-mbit", type=float, default=0.0,
+                        help="limit each host's link to this many Mbit/s each way (tc tbf), measured at `up`")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_intermixed_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -533,10 +599,15 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             print(f"cannot build hosts here: {reason}", file=sys.stderr)
             return 2
-        hosts = Hosts(args.prefix, args.workers, args.worker_cpus, args.shared, s3=not args.no_s3)
+        hosts = Hosts(args.prefix, args.workers, args.worker_cpus, args.shared, s3=not args.no_s3,
+                      link_mbit=args.link_mbit)
         hosts.up()
         for h in hosts.hosts:
             print(f"{h.name:8} {h.address:14} namespace {h.namespace}")
+        if args.link_mbit:
+            pair = ("worker1", "worker2") if args.workers >= 2 else ("client", "head")
+            print(f"links limited to {args.link_mbit:g} Mbit/s each way; measured {pair[0]} -> {pair[1]}: "
+                  f"{hosts.measure_link(*pair):.1f} Mbit/s")
         print(f"jobs API and dashboard: {hosts.jobs_address}   MLflow: {hosts.tracking_uri}   "
               f"shared storage: {hosts.shared}")
         if hosts.s3:

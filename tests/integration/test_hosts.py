@@ -176,7 +176,7 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts):
 
 # ------------------------------------------------------------------ the lifecycle
 ELASTIC = local_hosts.ELASTIC_RUN
-ELASTIC_EPOCHS = 30  # ~1 s an epoch on 2 workers: long enough to lose a host in one and to grow back after
+ELASTIC_EPOCHS = 25  # ~1 s an epoch on 2 workers: long enough to lose a host in one and to grow back after
 
 
 def epoch_lines(log: str) -> list[tuple[int, int]]:
