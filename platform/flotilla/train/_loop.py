@@ -79,9 +79,10 @@ ds_logger.addFilter(_SchedulerStartNotice())
 logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 # Within an epoch, rank 0 prints a progress line at most this often.
 PROGRESS_EVERY_S = 10.0
-# How often the ranks ask Ray Train whether a node of the run got a drain notice (a collective). Ray
-# Train's watcher itself polls the nodes every 5 s; a notice gives tens of seconds (spot: 30-120 s).
-NOTICE_CHECK_S = 2.0
+# How often the ranks ask Ray Train whether a node of the run got a drain notice (a barrier of Ray
+# Train's: one round trip to its sync actor). Ray Train's watcher polls the nodes every second for
+# Flotilla's runs (`train._run.PREEMPTION_POLL_S`); a notice gives tens of seconds (spot: 30-120 s).
+NOTICE_CHECK_S = 1.0
 
 
 class Session(Protocol):
