@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 # Every ZeRO stage trains and consolidates fp32 weights that reproduce the engine's outputs:
 # stage 0 in test_bad_input (the CSV run), stage 1 in test_streaming, stage 2 (the default) on the
 # session's default run (test_track), stage 3 in the killed-worker run here. Each of those runs
-# checks it besides its own subject, so no run is spent on the stage alone.
+# checks it besides its own subject, so no run is spent on the stage alone. The same runs send their
+# gradients compressed (`train.comm.compression`): bf16 at stage 0 (the CSV run), fp16 at stage 3 here.
 def _assert_trained_and_consolidated(outcome, stage: int) -> None:
     first, last = outcome.history[0], outcome.history[-1]
     assert last["train_loss"] < first["train_loss"] and last["val_loss"] < first["val_loss"]
@@ -75,7 +76,7 @@ def faulty_run(ray_cluster, tmp_path_factory) -> FaultyRun:
     the torn-checkpoint test then continues it under the same name."""
     storage = tmp_path_factory.mktemp("faulty")
     spec = digits_spec(storage, "train.epochs=4", "train.run_name=faulty", "train.max_failures=2", "train.precision=fp32",
-                       "train.zero_stage=3")
+                       "train.zero_stage=3", "train.comm.compression=fp16")
     with worker_killed_after_first_checkpoint(storage / "faulty") as killed:
         outcome = run_training(spec)
     return FaultyRun(storage, spec, outcome, killed)
@@ -101,6 +102,9 @@ def test_killed_worker_resumes_from_last_checkpoint(faulty_run):
     # ZeRO-3 (parameters partitioned across ranks) resumed and still consolidates: the bundle
     # predicts the validation rows as well as the run measured.
     _assert_trained_and_consolidated(outcome, 3)
+    # ...its gradients reduce-scattered in fp16 between the 2 workers (train.comm.compression).
+    assert (outcome.history[-1]["gradient_dtype"], outcome.history[-1]["world_size"]) == ("float16", 2)
+    assert runs[0].data.tags["flotilla.gradient_dtype"] == "float16"
     rows, labels = digits_val_rows(spec)
     assert accuracy(load_bundle(outcome.bundle_path).predict(rows)["predictions"], labels) == pytest.approx(
         outcome.history[-1]["val_accuracy"], abs=2 / len(labels))

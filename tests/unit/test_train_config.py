@@ -159,3 +159,17 @@ def test_a_global_batch_the_workers_cannot_split_is_refused_naming_a_size_that_f
     # A run resumed on a size the global batch does not divide into stops with the same words.
     with pytest.raises(TrainingError, match=r"on 3 worker\(s\)"):
         deepspeed_config(TrainSpec(batch_size=32, global_batch_size=128), "fp32", 100, 3, gpu=False)
+
+
+def test_gradients_travel_in_the_compression_asked_for_else_in_the_training_precision(tmp_path):
+    from flotilla.spec import load_spec
+
+    for compression, dtype in (("bf16", "bf16"), ("fp16", "fp16")):
+        t = TrainSpec(comm={"compression": compression})
+        assert deepspeed_config(t, "fp32", 10, 2, gpu=False)["communication_data_type"] == dtype
+    assert "communication_data_type" not in deepspeed_config(TrainSpec(), "bf16", 10, 2, gpu=False)
+    # What is not offered is refused naming what is, before anything runs.
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\ndata: {source: digits}\nmodel: {kind: mlp}\n")
+    with pytest.raises(Exception, match=r"train\.comm\.compression.*'none', 'bf16' or 'fp16'"):
+        load_spec(spec, ["train.comm.compression=int8"])

@@ -230,6 +230,22 @@ ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], 
 
 
 # ---------------------------------------------------------------------------- train
+class CommSpec(_Section):
+    """How the workers' gradients travel between them at each optimizer step."""
+
+    compression: Literal["none", "bf16", "fp16"] = Field(
+        "none",
+        description="The data type gradients are sent in (DeepSpeed's `communication_data_type`, every ZeRO stage). "
+        "`none`: the training precision (fp32, or bf16/fp16 in mixed precision). `bf16`/`fp16`: half the bytes of "
+        "fp32 on the link; `bf16` keeps fp32's range, `fp16` more of its digits (gradients below ~6e-8 become 0).",
+    )
+
+    @property
+    def deepspeed_dtype(self) -> str | None:
+        """DeepSpeed's `communication_data_type`, or None for its default (the training precision)."""
+        return None if self.compression == "none" else self.compression
+
+
 class TrainSpec(_Section):
     """How the model is trained: Ray Train workers, DeepSpeed, schedule, checkpoints."""
 
@@ -279,6 +295,7 @@ class TrainSpec(_Section):
     )
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    comm: CommSpec = Field(default_factory=CommSpec, description="How gradients travel between the workers.")
     offload_optimizer: Literal["none", "cpu"] = Field(
         "none", description="ZeRO-Offload of optimizer state to CPU memory (stages 1-3, GPU training)."
     )

@@ -52,7 +52,7 @@ def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         # Gather the full fp16/bf16 weights on save so `save_16bit_model` works too.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    return {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": t.batch_size * accumulation * world_size,
@@ -87,3 +87,6 @@ def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size:
         "steps_per_print": 10**9,  # Flotilla prints its own per-epoch line
         "wall_clock_breakdown": False,
     }
+    if t.comm.deepspeed_dtype is not None:
+        config["communication_data_type"] = t.comm.deepspeed_dtype
+    return config

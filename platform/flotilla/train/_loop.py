@@ -348,6 +348,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             "data_wait_s": most_waited,
             "precision": precision,
             "zero_stage": t.zero_stage,
+            # What the gradients travelled in between the ranks (`train.comm.compression`).
+            "gradient_dtype": str(engine.communication_data_type).removeprefix("torch."),
             "world_size": world,
             "backend": dist.get_backend(),
             "first_step_at": first_step_at,
