@@ -15,7 +15,7 @@ TEST_LANES     ?= 2
 # `make docs-serve` listens here (Serve's endpoints take 8000).
 DOCS_ADDR      ?= 127.0.0.1:8001
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat benchmark-elastic cluster-local docs docs-serve clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat benchmark-elastic benchmark-comm cluster-local docs docs-serve clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ benchmark-chat: $(VENV)/.installed ## chat streams decoded together against a th
 
 benchmark-elastic: $(VENV)/.installed ## elastic runs on hosts of one machine: a kill and a drain against an undisturbed run (root)
 	$(PY) benchmarks/elastic.py
+
+benchmark-comm: $(VENV)/.installed ## gradient compression over a 100 Mbit/s link between hosts of one machine (root)
+	$(PY) benchmarks/comm.py --link-mbit 100
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py

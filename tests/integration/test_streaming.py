@@ -50,7 +50,7 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
         spec = load_spec({str(ROOT / 'configs' / 'digits.yaml')!r}, [
             "data.source={data}", "data.label=y", "data.scaling=none", "data.val_fraction=0.02",
             "model.hidden=[16]", "train.epochs=1", "train.batch_size=2048", "train.zero_stage=1",
-            "train.precision=fp32", "train.storage_path={tmp_path / 'runs'}", "train.run_name=big",
+            "train.precision=fp32", "train.comm.compression=bf16", "train.storage_path={tmp_path / 'runs'}", "train.run_name=big",
             "track.enabled=false",
         ])
         outcome = run_training(spec)
@@ -67,6 +67,7 @@ def test_dataset_three_times_the_object_store_trains(tmp_path):
     # ZeRO-1 (optimizer state partitioned across ranks) consolidates fp32 weights that reproduce the
     # engine's outputs (tests/integration/test_train.py lists where each stage is checked).
     assert metrics["zero_stage"] == 1 and metrics["precision"] == "fp32"
+    assert metrics["gradient_dtype"] == "bfloat16"  # sent in bf16 between the 2 workers (train.comm.compression)
     assert metrics["bundle_check_max_abs_diff"] < 1e-5
     assert "OutOfMemory" not in proc.stderr and "ObjectStoreFull" not in proc.stderr
     scored = json.loads(proc.stdout.split("SCORED ", 1)[1].splitlines()[0])

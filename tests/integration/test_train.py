@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integration
 # stage 0 in test_bad_input (the CSV run), stage 1 in test_streaming, stage 2 (the default) on the
 # session's default run (test_track), stage 3 in the killed-worker run here. Each of those runs
 # checks it besides its own subject, so no run is spent on the stage alone. The same runs send their
-# gradients compressed (`train.comm.compression`): bf16 at stage 0 (the CSV run), fp16 at stage 3 here.
+# gradients compressed (`train.comm.compression`): bf16 at stage 1 (test_streaming), fp16 at stage 3
+# here; the CSV run is local SGD (`train.comm.sync_every`).
 def _assert_trained_and_consolidated(outcome, stage: int) -> None:
     first, last = outcome.history[0], outcome.history[-1]
     assert last["train_loss"] < first["train_loss"] and last["val_loss"] < first["val_loss"]

@@ -173,3 +173,15 @@ def test_gradients_travel_in_the_compression_asked_for_else_in_the_training_prec
     spec.write_text("name: s\ndata: {source: digits}\nmodel: {kind: mlp}\n")
     with pytest.raises(Exception, match=r"train\.comm\.compression.*'none', 'bf16' or 'fp16'"):
         load_spec(spec, ["train.comm.compression=int8"])
+
+
+def test_local_sgd_is_offered_where_every_rank_holds_the_whole_optimizer():
+    assert TrainSpec(zero_stage=0, precision="fp32", comm={"sync_every": 4}).comm.sync_every == 4
+    with pytest.raises(ValidationError, match=r"sync_every` = 4 needs ZeRO stage 0 .* `--set train.zero_stage=0`"):
+        TrainSpec(zero_stage=2, comm={"sync_every": 4})
+    with pytest.raises(ValidationError, match=r"averages fp32 weights: `--set train.precision=fp32`"):
+        TrainSpec(zero_stage=0, precision="bf16", comm={"sync_every": 4})
+    with pytest.raises(ValidationError, match=r"compression` applies to gradients.*set one of them"):
+        TrainSpec(zero_stage=0, precision="fp32", comm={"sync_every": 4, "compression": "bf16"})
+    with pytest.raises(ValidationError):
+        TrainSpec(comm={"sync_every": 0})

@@ -240,6 +240,14 @@ class CommSpec(_Section):
         "fp32 on the link; `bf16` keeps fp32's range, `fp16` more of its digits (gradients below ~6e-8 become 0).",
     )
 
+    sync_every: int = Field(
+        1, ge=1,
+        description="Average the workers' weights every N optimizer steps instead of all-reducing gradients at "
+        "every step (local SGD, with PyTorch's model averager): 1/N of the traffic; between averages each worker "
+        "steps on its own gradients. Needs ZeRO stage 0 and `train.precision: fp32` (said, not `auto`), and no "
+        "`compression` (weights are averaged in fp32). 1: every step (plain data-parallel training).",
+    )
+
     @property
     def deepspeed_dtype(self) -> str | None:
         """DeepSpeed's `communication_data_type`, or None for its default (the training precision)."""
@@ -410,6 +418,22 @@ class TrainSpec(_Section):
                                  f"maximum; write [{high}, {low}]")
             if low == high:
                 self.num_workers = low  # a fixed size written as a range
+        return self
+
+    @model_validator(mode="after")
+    def _local_sgd_needs_stage_0(self) -> "TrainSpec":
+        if self.comm.sync_every > 1:
+            if self.zero_stage != 0:
+                raise ValueError(
+                    f"`train.comm.sync_every` = {self.comm.sync_every} needs ZeRO stage 0 (stages 1-3 partition the "
+                    "optimizer: every rank steps its part of the weights with every rank's gradients): "
+                    "`--set train.zero_stage=0`, or `--set train.comm.compression=bf16` to halve the traffic instead"
+                )
+            if self.precision != "fp32":  # (`auto` may choose bf16 on the workers' devices)
+                raise ValueError("`train.comm.sync_every` > 1 averages fp32 weights: `--set train.precision=fp32`")
+            if self.comm.compression != "none":
+                raise ValueError("`train.comm.compression` applies to gradients, which `train.comm.sync_every` > 1 "
+                                 "does not send (it averages the weights): set one of them")
         return self
 
     @model_validator(mode="after")

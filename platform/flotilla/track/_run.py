@@ -60,7 +60,7 @@ PYFUNC_CODE = Path(__file__).resolve().parent / "bundle_pyfunc.py"
 RUN_NAME_TAG = "flotilla.run_name"
 WEIGHTS_TAG = "flotilla.weights_sha256"  # a version's model.safetensors: one run registers given weights once
 # Numbers in an epoch's report that are not per-epoch measurements.
-NOT_METRICS = ("epoch", "zero_stage", "world_size", "first_step_at", "ended_at")
+NOT_METRICS = ("epoch", "zero_stage", "world_size", "first_step_at", "ended_at", "sync_every")
 # What loading the pyfunc model needs (the bundle, not the training stack).
 MODEL_REQUIREMENTS = ("torch", "ray", "safetensors", "numpy", "pandas", "pyarrow", "pydantic", "pyyaml", "mlflow")
 
@@ -244,7 +244,7 @@ class Tracker:
             self.client.log_batch(
                 self.run_id,
                 metrics=[Metric("wall_time_s", wall_time_s, int(time.time() * 1000), int(final["epoch"]))],
-                tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend", "gradient_dtype") if k in final],
+                tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend", "gradient_dtype", "sync_every") if k in final],
             )
             if outcome.resources is not None:
                 self.log_resources(outcome.resources)

@@ -183,6 +183,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         config=ds_config,
     )
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
+    averager = _local_sgd(engine, t, world)
 
     start_epoch, history, resumed_from, state = 0, [], None, {}
     if resume_dir is not None:
@@ -264,7 +265,10 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             out = engine(inputs)
             loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
+            stepped = engine.global_steps
             engine.step()
+            if averager and engine.global_steps != stepped and engine.global_steps % averager == 0:
+                _same_weights(engine, averager)  # local SGD: the average every N optimizer steps
             done += 1
             step_loss = loss.item()
             now = time.perf_counter()
@@ -315,6 +319,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                 state = {"epoch": epoch, "global_step": int(engine.global_steps), "history": history,
                          "position": reached, "partial": partial, "events": events, "segments": segments,
                          "notice": notice, "saved_at": time.time()}
+                _same_weights(engine, averager)
                 with _checkpoint.staging_dir() as directory:
                     _checkpoint.save(engine, directory, rank, world, state)
                     _report(session, config, {"epoch": epoch, "global_step": state["global_step"], "within_epoch": True,
@@ -331,6 +336,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             return _stop(session, stopped)
         data_wait += wait_before
 
+        _same_weights(engine, averager)  # (evaluated, checkpointed and bundled: one model)
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_splits else None)
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
@@ -348,8 +354,10 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             "data_wait_s": most_waited,
             "precision": precision,
             "zero_stage": t.zero_stage,
-            # What the gradients travelled in between the ranks (`train.comm.compression`).
-            "gradient_dtype": str(engine.communication_data_type).removeprefix("torch."),
+            # What the gradients travelled in between the ranks (`train.comm.compression`), or that they
+            # stayed on each rank and the weights were averaged every `sync_every` steps (local SGD).
+            "gradient_dtype": "not sent" if averager else str(engine.communication_data_type).removeprefix("torch."),
+            "sync_every": averager or 1,
             "world_size": world,
             "backend": dist.get_backend(),
             "first_step_at": first_step_at,
@@ -577,6 +585,25 @@ def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
 
 
 @torch.no_grad()
+def _local_sgd(engine, t, world: int) -> int:
+    """With `train.comm.sync_every` N > 1, local SGD: DeepSpeed's gradient all-reduce off, and the
+    weights averaged every N optimizer steps (`_same_weights`): N, else 0. (The spec allows it at
+    ZeRO stage 0 and fp32 only: the module's weights are the optimizer's.)"""
+    if t.comm.sync_every <= 1 or world <= 1:
+        return 0
+    engine.enable_backward_allreduce = False  # each rank steps on its own gradients between averages
+    return t.comm.sync_every
+
+
+def _same_weights(engine, every: int) -> None:
+    """Every rank's weights averaged now (PyTorch's model averaging: one all-reduce of the flattened
+    weights), under local SGD; nothing otherwise. Collective."""
+    if every:
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        average_parameters(iter(engine.module.parameters()), dist.group.WORLD)
+
+
 def _evaluate(engine, shard, schema, dtype, batch_size, device, share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Sums over this rank's validation batches. `share=(rank, world)`: `shard` is the whole split,
     and this rank scores batches rank, rank + world, ... Under ZeRO-3 a forward is collective, so
