@@ -9,7 +9,7 @@ variant (a `compression`, or local SGD: `syncN` is `sync_every: N`): digits with
 (hosts of 3 logical CPUs: room for Ray Data's one beside them), `global_batch_size: 64`, fp32
 training (in bf16 training the gradients travel in bf16 already), ZeRO-`--stage` (0: local SGD
 needs it). For each: samples/s of the epochs after the first (the bundle's metrics), and the
-validation accuracy after the same samples.
+validation loss and accuracy after the same samples.
 
 Goal (issue: communication that fits the link): at 100 Mbit/s, >= 2x the samples/s of uncompressed
 synchronization with a validation loss at most 2 % higher. Half-precision gradients alone halve the
@@ -63,7 +63,8 @@ def main() -> None:
             later = history[1:] or history  # the first epoch carries the start-up
             results[variant] = {
                 "samples_per_s": sum(m["samples_per_s"] for m in later) / len(later),
-                "val_accuracy": history[-1]["val_accuracy"], "gradient_dtype": history[-1]["gradient_dtype"],
+                "val_accuracy": history[-1]["val_accuracy"], "val_loss": history[-1]["val_loss"],
+                "gradient_dtype": history[-1]["gradient_dtype"],
             }
             print(f"{variant}: {results[variant]}", flush=True)
     finally:
@@ -71,10 +72,10 @@ def main() -> None:
     base = results[args.variants.split(",")[0]]
     print(f"\n{f'{args.link_mbit:g} Mbit/s links' if args.link_mbit else 'links not limited'} (measured {link:.1f} Mbit/s), "
           f"ZeRO-{args.stage}, fp32 training, 2 workers on 2 hosts")
-    print(f"{'comm':<12} {'gradients':<10} {'samples/s':>10} {'x first':>7} {'val_accuracy':>13}")
+    print(f"{'comm':<12} {'gradients':<10} {'samples/s':>10} {'x first':>7} {'val_loss':>9} {'x first':>7} {'val_accuracy':>13}")
     for name, r in results.items():
         print(f"{name:<12} {r['gradient_dtype']:<10} {r['samples_per_s']:>10.0f} {r['samples_per_s'] / base['samples_per_s']:>7.2f} "
-              f"{r['val_accuracy']:>13.4f}")
+              f"{r['val_loss']:>9.4f} {r['val_loss'] / base['val_loss']:>7.2f} {r['val_accuracy']:>13.4f}")
     if args.out:
         args.out.write_text(json.dumps({"link_mbit": args.link_mbit, "measured_mbit": link, "results": results}, indent=1))
 
