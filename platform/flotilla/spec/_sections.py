@@ -243,7 +243,7 @@ class CommSpec(_Section):
     sync_every: int = Field(
         1, ge=1,
         description="Average the workers' weights every N optimizer steps instead of all-reducing gradients at "
-        "every step (local SGD, with PyTorch's model averager): 1/N of the traffic; between averages each worker "
+        "every step (local SGD, with PyTorch's model averaging): 1/N of the traffic; between averages each worker "
         "steps on its own gradients. Needs ZeRO stage 0 and `train.precision: fp32` (said, not `auto`), and no "
         "`compression` (weights are averaged in fp32). 1: every step (plain data-parallel training).",
     )

@@ -584,7 +584,6 @@ def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
     return targets.numel() if schema.task == "lm" else len(targets)
 
 
-@torch.no_grad()
 def _local_sgd(engine, t, world: int) -> int:
     """With `train.comm.sync_every` N > 1, local SGD: DeepSpeed's gradient all-reduce off, and the
     weights averaged every N optimizer steps (`_same_weights`): N, else 0. (The spec allows it at
@@ -604,6 +603,7 @@ def _same_weights(engine, every: int) -> None:
         average_parameters(iter(engine.module.parameters()), dist.group.WORLD)
 
 
+@torch.no_grad()
 def _evaluate(engine, shard, schema, dtype, batch_size, device, share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Sums over this rank's validation batches. `share=(rank, world)`: `shard` is the whole split,
     and this rank scores batches rank, rank + world, ... Under ZeRO-3 a forward is collective, so

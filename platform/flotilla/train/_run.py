@@ -37,7 +37,7 @@ from flotilla.cluster import (
 from flotilla.data import PreparedData, describe_columns, filesystem_for
 from flotilla.errors import ClusterError, FlotillaError, NotFiniteError, TrainingError, summarize
 from flotilla.models import build_model
-from flotilla.runtime import DATA_CPUS, started_local_ray
+from flotilla.runtime import DATA_CPUS, environment, started_local_ray
 from flotilla.spec import RunSpec, spec_to_yaml
 from flotilla.train._in_trial import InProcess, train_in_trial
 from flotilla.train._loop import BUNDLE_DIR, CHECKPOINT_PREFIX, train_loop_per_worker
@@ -272,22 +272,15 @@ PREEMPTION_POLL_S = 1
 _PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 
 
-@contextlib.contextmanager
-def _driver_environment(values: dict[str, str]):
-    """Ray Train's settings that its driver hands to its controller, each unless already set."""
-    set_here = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(set_here)
-    try:
-        yield
-    finally:
-        for k in set_here:
-            os.environ.pop(k, None)
+def _unless_set(values: dict[str, str]) -> dict[str, str]:
+    """Ray Train's settings that its driver hands to its controller, those the user has not set."""
+    return {k: v for k, v in values.items() if k not in os.environ}
 
 
 @contextlib.contextmanager
 def _elastic_restarts(elastic: bool):
     if not elastic:
-        with _driver_environment({_PREEMPTION_POLL_ENV: str(PREEMPTION_POLL_S)}):
+        with environment(_unless_set({_PREEMPTION_POLL_ENV: str(PREEMPTION_POLL_S)})):
             yield
         return
     stop = threading.Event()
@@ -296,8 +289,8 @@ def _elastic_restarts(elastic: bool):
         seen = None
         while not stop.wait(1.0):
             try:
-                usable = {n["NodeID"] for n in usable_nodes()}
-                now = {(n["NodeID"], n["NodeID"] in usable) for n in ray.nodes() if n["Alive"]}
+                # (a node that dies flips Alive; one that nears its drain deadline leaves the list)
+                now = {(n["NodeID"], n["Alive"]) for n in usable_nodes()}
                 if seen is not None and now != seen:
                     coordinator = ray.get_actor(*AUTOSCALING_COORDINATOR)
                     coordinator.get_reserved_resources.remote("flotilla-nodes-changed", recompute=True)
@@ -307,7 +300,8 @@ def _elastic_restarts(elastic: bool):
 
     start_autoscaling_coordinator()
     thread = threading.Thread(target=watch, name="flotilla-elastic-nodes", daemon=True)
-    with _driver_environment({_START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S), _PREEMPTION_POLL_ENV: str(PREEMPTION_POLL_S)}):
+    with environment(_unless_set({_START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S),
+                                  _PREEMPTION_POLL_ENV: str(PREEMPTION_POLL_S)})):
         thread.start()
         try:
             yield
