@@ -171,8 +171,31 @@ def test_gradients_travel_in_the_compression_asked_for_else_in_the_training_prec
     # What is not offered is refused naming what is, before anything runs.
     spec = tmp_path / "s.yaml"
     spec.write_text("name: s\ndata: {source: digits}\nmodel: {kind: mlp}\n")
-    with pytest.raises(Exception, match=r"train\.comm\.compression.*'none', 'bf16' or 'fp16'"):
-        load_spec(spec, ["train.comm.compression=int8"])
+    with pytest.raises(Exception, match=r"train\.comm\.compression.*'none', 'bf16', 'fp16', 'int8' or 'powersgd'"):
+        load_spec(spec, ["train.comm.compression=int4"])
+
+
+def test_int8_and_powersgd_run_pytorchs_hooks_at_stage_0_and_zero_plus_plus_on_gpus_at_stage_3():
+    for compression in ("int8", "powersgd"):
+        t = TrainSpec(zero_stage=0, precision="fp32", comm={"compression": compression})
+        # (sent by the hook, not by DeepSpeed: no communication_data_type)
+        assert t.comm.hooked and "communication_data_type" not in deepspeed_config(t, "fp32", 10, 2, gpu=False)
+        for stage, precision in ((2, "fp32"), (0, "bf16"), (0, "auto")):
+            with pytest.raises(ValidationError, match=rf"compression` = {compression} runs PyTorch's DDP communication "
+                               rf"hook on fp32 gradients at ZeRO stage 0 \(now stage {stage}, precision {precision}\).*"
+                               r"`--set train.zero_stage=0 --set train.precision=fp32`, or .*compression=bf16"):
+                TrainSpec(zero_stage=stage, precision=precision, comm={"compression": compression})
+    # On GPUs at stage 3, int8 is ZeRO++: quantized weights and gradients, and the weights' secondary
+    # partition within each node of 4 ranks (of 8).
+    t = TrainSpec(zero_stage=3, gpus_per_worker=1, comm={"compression": "int8"})
+    zero = deepspeed_config(t, "bf16", 10, 8, gpu=True, local_world=4)["zero_optimization"]
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (True, True, 4)
+    # One rank per node: nothing to partition within a node.
+    assert "zero_hpz_partition_size" not in deepspeed_config(t, "bf16", 10, 8, gpu=True)["zero_optimization"]
+    with pytest.raises(ValidationError, match=r"on GPUs \(`train.gpus_per_worker`\) at stage 3, DeepSpeed's ZeRO\+\+"):
+        TrainSpec(zero_stage=3, comm={"compression": "int8"})
+    with pytest.raises(ValidationError):
+        TrainSpec(zero_stage=0, precision="fp32", comm={"compression": "powersgd", "powersgd_rank": 0})
 
 
 def test_local_sgd_is_offered_where_every_rank_holds_the_whole_optimizer():
@@ -185,3 +208,9 @@ def test_local_sgd_is_offered_where_every_rank_holds_the_whole_optimizer():
         TrainSpec(zero_stage=0, precision="fp32", comm={"sync_every": 4, "compression": "bf16"})
     with pytest.raises(ValidationError):
         TrainSpec(comm={"sync_every": 0})
+    # `auto` chooses N by measuring, under the same conditions.
+    assert TrainSpec(zero_stage=0, precision="fp32", comm={"sync_every": "auto"}).comm.local_sgd
+    with pytest.raises(ValidationError, match=r"sync_every` = auto needs ZeRO stage 0"):
+        TrainSpec(zero_stage=1, comm={"sync_every": "auto"})
+    with pytest.raises(ValidationError, match=r"compression` applies to gradients.*set one of them"):
+        TrainSpec(zero_stage=0, precision="fp32", comm={"sync_every": "auto", "compression": "powersgd"})

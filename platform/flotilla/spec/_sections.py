@@ -233,25 +233,51 @@ ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], 
 class CommSpec(_Section):
     """How the workers' gradients travel between them at each optimizer step."""
 
-    compression: Literal["none", "bf16", "fp16"] = Field(
+    compression: Literal["none", "bf16", "fp16", "int8", "powersgd"] = Field(
         "none",
-        description="The data type gradients are sent in (DeepSpeed's `communication_data_type`, every ZeRO stage). "
-        "`none`: the training precision (fp32, or bf16/fp16 in mixed precision). `bf16`/`fp16`: half the bytes of "
-        "fp32 on the link; `bf16` keeps fp32's range, `fp16` more of its digits (gradients below ~6e-8 become 0).",
+        description="What gradients travel in. `none`: the training precision (fp32, or bf16/fp16 in mixed "
+        "precision). `bf16`/`fp16` (every ZeRO stage, DeepSpeed's `communication_data_type`): half the bytes of "
+        "fp32; `bf16` keeps fp32's range, `fp16` more of its digits (gradients below ~6e-8 become 0). "
+        "`int8` and `powersgd` run PyTorch's DDP communication hooks on the gradients, at ZeRO stage 0 in fp32: "
+        "`int8` quantizes every 512 values to 8 bits with their own scale (a quarter of the bytes; sent by "
+        "all-gather, so each rank receives every rank's share: for 2 to 4 workers), `powersgd` sends a rank-"
+        "`powersgd_rank` approximation of each weight matrix with error feedback (PowerSGD; hundreds of times "
+        "fewer bytes for large matrices; plain all-reduce during the learning-rate warmup). On GPUs at ZeRO "
+        "stage 3, `int8` is DeepSpeed's ZeRO++ (quantized weights and gradients, and hierarchical partitioning "
+        "within a node).",
     )
-
-    sync_every: int = Field(
-        1, ge=1,
+    powersgd_rank: int = Field(
+        2, ge=1, le=32,
+        description="`compression: powersgd`: the rank of each matrix's approximation (higher: closer to the "
+        "uncompressed gradient, more bytes).",
+    )
+    sync_every: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        1,
         description="Average the workers' weights every N optimizer steps instead of all-reducing gradients at "
-        "every step (local SGD, with PyTorch's model averaging): 1/N of the traffic; between averages each worker "
-        "steps on its own gradients. Needs ZeRO stage 0 and `train.precision: fp32` (said, not `auto`), and no "
-        "`compression` (weights are averaged in fp32). 1: every step (plain data-parallel training).",
+        "every step (local SGD, with PyTorch's model averagers): 1/N of the traffic; between averages each worker "
+        "steps on its own gradients. Where several workers share a node their weights are averaged within the "
+        "node every step and across nodes every N (PyTorch's hierarchical model averager). `auto`: the first "
+        "steps all-reduce the gradients and time it against the step's compute, then N is chosen so that "
+        "communication takes at most a fifth of a step (1 where it already does); the measurement and the "
+        "choice are logged, and made again whenever the run restarts or resizes. Needs ZeRO stage 0 and "
+        "`train.precision: fp32` (said, not `auto`), and no `compression` (weights are averaged in fp32). "
+        "1: every step (plain data-parallel training).",
     )
 
     @property
     def deepspeed_dtype(self) -> str | None:
         """DeepSpeed's `communication_data_type`, or None for its default (the training precision)."""
-        return None if self.compression == "none" else self.compression
+        return self.compression if self.compression in ("bf16", "fp16") else None
+
+    @property
+    def hooked(self) -> bool:
+        """Gradients sent by a PyTorch DDP communication hook (stage 0) rather than by DeepSpeed."""
+        return self.compression in ("int8", "powersgd")
+
+    @property
+    def local_sgd(self) -> bool:
+        """Weights averaged every N steps (or N measured): `sync_every` other than 1."""
+        return self.sync_every != 1
 
 
 class TrainSpec(_Section):
@@ -422,18 +448,30 @@ class TrainSpec(_Section):
 
     @model_validator(mode="after")
     def _local_sgd_needs_stage_0(self) -> "TrainSpec":
-        if self.comm.sync_every > 1:
+        c = self.comm
+        if c.local_sgd:
             if self.zero_stage != 0:
                 raise ValueError(
-                    f"`train.comm.sync_every` = {self.comm.sync_every} needs ZeRO stage 0 (stages 1-3 partition the "
+                    f"`train.comm.sync_every` = {c.sync_every} needs ZeRO stage 0 (stages 1-3 partition the "
                     "optimizer: every rank steps its part of the weights with every rank's gradients): "
                     "`--set train.zero_stage=0`, or `--set train.comm.compression=bf16` to halve the traffic instead"
                 )
             if self.precision != "fp32":  # (`auto` may choose bf16 on the workers' devices)
-                raise ValueError("`train.comm.sync_every` > 1 averages fp32 weights: `--set train.precision=fp32`")
-            if self.comm.compression != "none":
-                raise ValueError("`train.comm.compression` applies to gradients, which `train.comm.sync_every` > 1 "
-                                 "does not send (it averages the weights): set one of them")
+                raise ValueError(f"`train.comm.sync_every` = {c.sync_every} averages fp32 weights: "
+                                 "`--set train.precision=fp32`")
+            if c.compression != "none":
+                raise ValueError("`train.comm.compression` applies to gradients, which `train.comm.sync_every` other "
+                                 "than 1 does not send (it averages the weights): set one of them")
+        if c.compression == "int8" and self.zero_stage == 3 and self.gpus_per_worker > 0:
+            return self  # DeepSpeed's ZeRO++ quantized weights and gradients
+        if c.hooked and (self.zero_stage != 0 or self.precision != "fp32"):
+            ds = "; on GPUs (`train.gpus_per_worker`) at stage 3, DeepSpeed's ZeRO++" if c.compression == "int8" else ""
+            raise ValueError(
+                f"`train.comm.compression` = {c.compression} runs PyTorch's DDP communication hook on fp32 gradients "
+                f"at ZeRO stage 0 (now stage {self.zero_stage}, precision {self.precision}){ds}: "
+                "`--set train.zero_stage=0 --set train.precision=fp32`, or `--set train.comm.compression=bf16` "
+                "(every stage)"
+            )
         return self
 
     @model_validator(mode="after")

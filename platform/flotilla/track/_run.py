@@ -244,7 +244,7 @@ class Tracker:
             self.client.log_batch(
                 self.run_id,
                 metrics=[Metric("wall_time_s", wall_time_s, int(time.time() * 1000), int(final["epoch"]))],
-                tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend", "gradient_dtype", "sync_every") if k in final],
+                tags=[RunTag(f"flotilla.{k}", str(final[k])) for k in ("precision", "zero_stage", "backend", "gradient_dtype", "sync_every", "sync_auto") if k in final],
             )
             if outcome.resources is not None:
                 self.log_resources(outcome.resources)

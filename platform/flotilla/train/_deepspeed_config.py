@@ -35,9 +35,10 @@ def rank_share(train_rows: int, world_size: int, t: TrainSpec, skip: int = 0) ->
 
 
 def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size: int, gpu: bool,
-                     load_universal: bool = False) -> dict[str, Any]:
+                     load_universal: bool = False, local_world: int = 1) -> dict[str, Any]:
     """`load_universal`: the engine will resume from a universal checkpoint (a checkpoint written at
-    another world size, converted; `flotilla.train._checkpoint`)."""
+    another world size, converted; `flotilla.train._checkpoint`). `local_world`: the ranks on this
+    rank's node (ZeRO++'s hierarchical partitioning keeps a copy of the weights within each node)."""
     problem = t.accumulation_problem(world_size)
     if problem:  # a run resumed on a number of workers that its global batch does not divide into
         raise TrainingError(problem)
@@ -52,6 +53,14 @@ def deepspeed_config(t: TrainSpec, precision: str, total_steps: int, world_size:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         # Gather the full fp16/bf16 weights on save so `save_16bit_model` works too.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if t.comm.compression == "int8" and gpu:
+            # ZeRO++: weights all-gathered in int8 (qwZ), gradients reduce-scattered in int4/int8 (qgZ), and
+            # a secondary copy of the weights partitioned within the node so that the backward pass's
+            # all-gathers stay on the node's own links (hpZ).
+            zero["zero_quantized_weights"] = True
+            zero["zero_quantized_gradients"] = True
+            if 1 < local_world < world_size and world_size % local_world == 0:
+                zero["zero_hpz_partition_size"] = local_world
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": accumulation,

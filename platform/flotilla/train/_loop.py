@@ -55,6 +55,7 @@ from flotilla.models import build_model, flops_per_token
 from flotilla.models._hf import build_hf_causal_lm
 from flotilla.redact import redact
 from flotilla.train import _checkpoint
+from flotilla.train._comm import Comm
 from flotilla.train._deepspeed_config import deepspeed_config, optimizer_steps, rank_share
 from flotilla.train._metrics import TrainingMetrics
 from flotilla.train._precision import measured_peak_flops, resolve_precision, torch_dtype
@@ -165,8 +166,11 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             say(f"WARNING: {note}")
         resume_dir = stack.enter_context(chosen.as_directory())
     universal = resume_dir is not None and _checkpoint.needs_universal(resume_dir, world)
+    # Where each rank runs: the driver prices the run by these nodes' price labels, and local SGD
+    # averages within a node before across nodes.
+    worker_nodes = _all_gather(ray.get_runtime_context().get_node_id())
     ds_config = deepspeed_config(t, precision, steps_per_epoch * t.epochs, world, device.type == "cuda",
-                                 load_universal=universal)
+                                 load_universal=universal, local_world=worker_nodes.count(worker_nodes[rank]))
     if model_spec["kind"] == "hf_causal_lm":
         # Loaded in the precision it trains in; under ZeRO-3 created partitioned across the ranks
         # (rank 0 alone reads the weights), never whole on every rank. Partitioning needs DeepSpeed's
@@ -183,7 +187,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         config=ds_config,
     )
     torch.manual_seed(t.seed + 1 + rank)  # dropout differs per rank; restored on resume
-    averager = _local_sgd(engine, t, world)
+    comm = Comm(engine, t.comm, world, worker_nodes,
+                warmup_steps=ds_config["scheduler"]["params"]["warmup_num_steps"])
 
     start_epoch, history, resumed_from, state = 0, [], None, {}
     if resume_dir is not None:
@@ -221,8 +226,6 @@ def train(config: WorkerConfig, session: Session) -> str | None:
 
     is_lm = schema.task == "lm"
     peak = measured_peak_flops(device.type, precision) if is_lm else None
-    # Where each rank runs: the driver prices the run by these nodes' price labels.
-    worker_nodes = _all_gather(ray.get_runtime_context().get_node_id())
     live = TrainingMetrics(
         config.run_name, rank,
         tokens_per_sample=schema.context if is_lm else None,
@@ -265,10 +268,13 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             out = engine(inputs)
             loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
+            comm.after_backward()  # (gradients, where Flotilla sends them: `train.comm`)
             stepped = engine.global_steps
             engine.step()
-            if averager and engine.global_steps != stepped and engine.global_steps % averager == 0:
-                _same_weights(engine, averager)  # local SGD: the average every N optimizer steps
+            if engine.global_steps != stepped:
+                chosen = comm.after_step()  # (weights, under local SGD)
+                if chosen and rank == 0:
+                    say(f"[{config.run_name}] {chosen}")
             done += 1
             step_loss = loss.item()
             now = time.perf_counter()
@@ -319,7 +325,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
                 state = {"epoch": epoch, "global_step": int(engine.global_steps), "history": history,
                          "position": reached, "partial": partial, "events": events, "segments": segments,
                          "notice": notice, "saved_at": time.time()}
-                _same_weights(engine, averager)
+                comm.same_weights()
                 with _checkpoint.staging_dir() as directory:
                     _checkpoint.save(engine, directory, rank, world, state)
                     _report(session, config, {"epoch": epoch, "global_step": state["global_step"], "within_epoch": True,
@@ -336,7 +342,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             return _stop(session, stopped)
         data_wait += wait_before
 
-        _same_weights(engine, averager)  # (evaluated, checkpointed and bundled: one model)
+        comm.same_weights()  # (evaluated, checkpointed and bundled: one model)
         val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_splits else None)
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
@@ -355,9 +361,9 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             "precision": precision,
             "zero_stage": t.zero_stage,
             # What the gradients travelled in between the ranks (`train.comm.compression`), or that they
-            # stayed on each rank and the weights were averaged every `sync_every` steps (local SGD).
-            "gradient_dtype": "not sent" if averager else str(engine.communication_data_type).removeprefix("torch."),
-            "sync_every": averager or 1,
+            # stayed on each rank and the weights were averaged every `sync_every` steps (local SGD), and
+            # under `sync_every: auto` the measurement that chose it.
+            **comm.metrics(),
             "world_size": world,
             "backend": dist.get_backend(),
             "first_step_at": first_step_at,
@@ -582,25 +588,6 @@ def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
     if schema.masked:
         return int((targets != IGNORE).sum())
     return targets.numel() if schema.task == "lm" else len(targets)
-
-
-def _local_sgd(engine, t, world: int) -> int:
-    """With `train.comm.sync_every` N > 1, local SGD: DeepSpeed's gradient all-reduce off, and the
-    weights averaged every N optimizer steps (`_same_weights`): N, else 0. (The spec allows it at
-    ZeRO stage 0 and fp32 only: the module's weights are the optimizer's.)"""
-    if t.comm.sync_every <= 1 or world <= 1:
-        return 0
-    engine.enable_backward_allreduce = False  # each rank steps on its own gradients between averages
-    return t.comm.sync_every
-
-
-def _same_weights(engine, every: int) -> None:
-    """Every rank's weights averaged now (PyTorch's model averaging: one all-reduce of the flattened
-    weights), under local SGD; nothing otherwise. Collective."""
-    if every:
-        from torch.distributed.algorithms.model_averaging.utils import average_parameters
-
-        average_parameters(iter(engine.module.parameters()), dist.group.WORLD)
 
 
 @torch.no_grad()

@@ -1,0 +1,64 @@
+"""`train.comm` where Flotilla moves the gradients and weights (ZeRO stage 0, fp32, 2 workers on the
+session's local Ray): PyTorch's int8 and PowerSGD communication hooks and `sync_every: auto` train the
+digits model as well as plain all-reduce, each recorded in MLflow. (Across hosts joined by a slow
+link: `make benchmark-comm`; bf16/fp16 and fixed `sync_every` run in test_streaming, test_train and
+test_bad_input.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flotilla.pipeline import run_training
+
+from ._helpers import digits_spec, mlflow_runs
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STAGE_0 = ("train.zero_stage=0", "train.precision=fp32", "train.epochs=6", "track.model_name=digits-comm")
+
+
+def _train(tmp_path, name: str, *overrides: str):
+    spec = digits_spec(tmp_path, *STAGE_0, f"train.run_name={name}", *overrides)
+    return spec, run_training(spec)
+
+
+@pytest.fixture(scope="module")
+def plain(ray_cluster, tmp_path_factory):
+    """The same run with DeepSpeed's plain fp32 all-reduce: what every option is held to."""
+    spec, outcome = _train(tmp_path_factory.mktemp("plain"), "plain")
+    assert outcome.metrics["gradient_dtype"] == "float32"
+    return outcome.metrics["val_accuracy"]
+
+
+@pytest.mark.parametrize("option, sent", [
+    ("train.comm.compression=int8", "int8"),
+    ("train.comm.compression=powersgd", "powersgd"),
+])
+def test_compressed_gradients_train_as_well_as_plain_all_reduce(plain, tmp_path, option, sent):
+    spec, outcome = _train(tmp_path, sent, option)
+    last = outcome.metrics
+    print(f"{option}: val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {plain:.4f})")
+    assert (last["gradient_dtype"], last["sync_every"], last["world_size"]) == (sent, 1, 2)
+    assert last["val_accuracy"] >= plain - 0.01
+    client, runs = mlflow_runs(spec.track.uri)
+    assert [r.data.tags["flotilla.gradient_dtype"] for r in runs] == [sent]
+
+
+def test_sync_every_auto_measures_chooses_and_records_it(plain, tmp_path):
+    spec, outcome = _train(tmp_path, "auto", "train.comm.sync_every=auto")
+    last = outcome.metrics
+    allreduce, compute, every = last["sync_allreduce_ms"], last["sync_compute_ms"], last["sync_every"]
+    print(f"auto: {last['sync_auto']}; val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {plain:.4f})")
+    assert allreduce > 0 and compute > 0
+    # The smallest N whose share of a step in communication is at most a fifth (1 when it already is).
+    assert every == max(1, min(64, math.ceil(4 * allreduce / compute - 1e-6))), (allreduce, compute, every)
+    assert last["gradient_dtype"] == ("not sent" if every > 1 else "float32")
+    assert last["val_accuracy"] >= plain - 0.01
+    client, runs = mlflow_runs(spec.track.uri)
+    (run,) = runs
+    assert run.data.tags["flotilla.sync_every"] == str(every)
+    assert run.data.tags["flotilla.sync_auto"] == last["sync_auto"]
+    assert last["sync_auto"].endswith(f"every {every} steps" if every > 1 else "every step")
+    assert run.data.metrics["sync_allreduce_ms"] == pytest.approx(allreduce)
