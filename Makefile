@@ -70,7 +70,8 @@ benchmark-elastic: $(VENV)/.installed ## elastic runs on hosts of one machine: a
 	$(PY) benchmarks/elastic.py
 
 benchmark-comm: $(VENV)/.installed ## gradient compression over a 100 Mbit/s link between hosts of one machine (root)
-	$(PY) benchmarks/comm.py --link-mbit 100
+	$(PY) benchmarks/comm.py --model gpt --link-mbit 100
+	$(PY) benchmarks/comm.py --model gpt --link-mbit 1000
 
 cluster-local: $(VENV)/.installed ## autoscaling on this machine (cluster.local.yaml), stopped when done
 	$(PY) ops/local_autoscaling.py

@@ -52,9 +52,9 @@ def train(hosts, job: str, run: str, epochs: int, *extra: str):
         raise RuntimeError(f"submitting {run}: {out.stderr[-3000:]}")
 
 
-def finish(hosts, job: str, run: str) -> dict:
+def finish(hosts, job: str, run: str, timeout: float = 600) -> dict:
     """The run's bundle record, with `cpu_hours` from its driver's ledger line."""
-    status = hosts.wait_for_job(job)
+    status = hosts.wait_for_job(job, timeout=timeout)
     log = hosts.job_log(job)
     if status != "SUCCEEDED":
         raise RuntimeError(f"{run} ended {status}: {log[-3000:]}")

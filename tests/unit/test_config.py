@@ -90,8 +90,20 @@ def test_docs_spec_reference_matches_the_code():
 
     page = (Path(__file__).parents[2] / "docs" / "spec-reference.md").read_text()
     assert page == spec_reference_markdown() + "\n", "regenerate with: flotilla config > docs/spec-reference.md"
-    for section in ("**data**", "**train**", "**track.gate**", "**tune**", "**serve.batching**", "**cost**"):
+    for section in ("**data**", "**train**", "**train.comm**", "**track.gate**", "**tune**", "**serve.batching**",
+                    "**cost**"):
         assert section in page
+    # Every "(section below)" has its section below.
+    title, titles, nested = "", [], []
+    for line in page.splitlines():
+        if line.startswith("**"):
+            title = line.strip("*").split(" (")[0]
+            titles.append(title)
+        elif "| (section below) |" in line:
+            field = line.split("`")[1]
+            nested.append(field if title == "top level" else f"{title}.{field}")
+    assert "train.comm" in nested
+    assert [n for n in nested if n not in titles and n.split(".")[-1] not in titles] == []
 
 
 def test_shipped_files_name_the_tracking_store_where_it_is():

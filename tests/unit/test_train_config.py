@@ -181,7 +181,7 @@ def test_int8_and_powersgd_run_pytorchs_hooks_at_stage_0_and_zero_plus_plus_on_g
         # (sent by the hook, not by DeepSpeed: no communication_data_type)
         assert t.comm.hooked and "communication_data_type" not in deepspeed_config(t, "fp32", 10, 2, gpu=False)
         for stage, precision in ((2, "fp32"), (0, "bf16"), (0, "auto")):
-            with pytest.raises(ValidationError, match=rf"compression` = {compression} runs PyTorch's DDP communication "
+            with pytest.raises(ValidationError, match=rf"compression` = {compression} runs a DDP communication "
                                rf"hook on fp32 gradients at ZeRO stage 0 \(now stage {stage}, precision {precision}\).*"
                                r"`--set train.zero_stage=0 --set train.precision=fp32`, or .*compression=bf16"):
                 TrainSpec(zero_stage=stage, precision=precision, comm={"compression": compression})

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from flotilla.spec._sections import (
     ColumnSpec,
+    CommSpec,
     CostSpec,
     CustomModelSpec,
     DataSpec,
@@ -39,6 +40,7 @@ def spec_reference_markdown() -> str:
         ("model.lora", LoraSpec, None),
         ("model (kind: custom)", CustomModelSpec, None),
         ("train", TrainSpec, None),
+        ("train.comm", CommSpec, None),
         ("track", TrackSpec, None),
         ("track.gate", GateSpec, None),
         ("tune", TuneSpec, None),

@@ -238,11 +238,11 @@ class CommSpec(_Section):
         description="What gradients travel in. `none`: the training precision (fp32, or bf16/fp16 in mixed "
         "precision). `bf16`/`fp16` (every ZeRO stage, DeepSpeed's `communication_data_type`): half the bytes of "
         "fp32; `bf16` keeps fp32's range, `fp16` more of its digits (gradients below ~6e-8 become 0). "
-        "`int8` and `powersgd` run PyTorch's DDP communication hooks on the gradients, at ZeRO stage 0 in fp32: "
+        "`int8` and `powersgd` run a DDP communication hook on the gradients, at ZeRO stage 0 in fp32: "
         "`int8` quantizes every 512 values to 8 bits with their own scale (a quarter of the bytes; sent by "
-        "all-gather, so each rank receives every rank's share: for 2 to 4 workers), `powersgd` sends a rank-"
-        "`powersgd_rank` approximation of each weight matrix with error feedback (PowerSGD; hundreds of times "
-        "fewer bytes for large matrices; plain all-reduce during the learning-rate warmup). On GPUs at ZeRO "
+        "all-gather, so each rank receives every rank's share: for 2 to 4 workers), `powersgd` sends a "
+        "rank-`powersgd_rank` approximation of each weight matrix with error feedback (PyTorch's PowerSGD hook; "
+        "hundreds of times fewer bytes for large matrices; plain all-reduce during the learning-rate warmup). On GPUs at ZeRO "
         "stage 3, `int8` is DeepSpeed's ZeRO++ (quantized weights and gradients, and hierarchical partitioning "
         "within a node).",
     )
@@ -254,9 +254,9 @@ class CommSpec(_Section):
     sync_every: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
         1,
         description="Average the workers' weights every N optimizer steps instead of all-reducing gradients at "
-        "every step (local SGD, with PyTorch's model averagers): 1/N of the traffic; between averages each worker "
+        "every step (local SGD, with PyTorch's model averaging): 1/N of the traffic; between averages each worker "
         "steps on its own gradients. Where several workers share a node their weights are averaged within the "
-        "node every step and across nodes every N (PyTorch's hierarchical model averager). `auto`: the first "
+        "node every step and across nodes every N (PyTorch's hierarchical scheme). `auto`: the first "
         "steps all-reduce the gradients and time it against the step's compute, then N is chosen so that "
         "communication takes at most a fifth of a step (1 where it already does); the measurement and the "
         "choice are logged, and made again whenever the run restarts or resizes. Needs ZeRO stage 0 and "
@@ -271,7 +271,7 @@ class CommSpec(_Section):
 
     @property
     def hooked(self) -> bool:
-        """Gradients sent by a PyTorch DDP communication hook (stage 0) rather than by DeepSpeed."""
+        """Gradients sent by a DDP communication hook (stage 0) rather than by DeepSpeed."""
         return self.compression in ("int8", "powersgd")
 
     @property
@@ -467,7 +467,7 @@ class TrainSpec(_Section):
         if c.hooked and (self.zero_stage != 0 or self.precision != "fp32"):
             ds = "; on GPUs (`train.gpus_per_worker`) at stage 3, DeepSpeed's ZeRO++" if c.compression == "int8" else ""
             raise ValueError(
-                f"`train.comm.compression` = {c.compression} runs PyTorch's DDP communication hook on fp32 gradients "
+                f"`train.comm.compression` = {c.compression} runs a DDP communication hook on fp32 gradients "
                 f"at ZeRO stage 0 (now stage {self.zero_stage}, precision {self.precision}){ds}: "
                 "`--set train.zero_stage=0 --set train.precision=fp32`, or `--set train.comm.compression=bf16` "
                 "(every stage)"

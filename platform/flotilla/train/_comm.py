@@ -117,7 +117,9 @@ class Comm:
         self.timing: dict[str, float] | None = None  # `auto`'s measurement, once made
         self._timed: list[tuple[float, float]] = []  # `auto`: (step wall time, all-reduce time) per step
         self._steps, self._step_comm, self._last_step = 0, 0.0, None
-        if world <= 1 or not (spec.hooked or spec.local_sgd):
+        # (At ZeRO stage 3 on GPUs, `int8` is ZeRO++ in DeepSpeed's config: DeepSpeed moves everything.)
+        self.hooked = spec.hooked and engine.zero_optimization_stage() == 0 and world > 1
+        if world <= 1 or not (self.hooked or spec.local_sgd):
             return
         engine.enable_backward_allreduce = False
         if spec.compression == "int8":
@@ -180,8 +182,10 @@ class Comm:
         `auto` the measurement the period came from."""
         if self.every:
             sent = "not sent"
-        elif self.spec.hooked and self.world > 1:
+        elif self.hooked:
             sent = self.spec.compression
+        elif self.spec.compression == "int8" and self.world > 1:
+            sent = "int8 (ZeRO++)"
         else:
             sent = str(self.engine.communication_data_type).removeprefix("torch.")
         out: dict[str, Any] = {"gradient_dtype": sent, "sync_every": self.every or 1}
