@@ -69,7 +69,7 @@ benchmark-chat: $(VENV)/.installed ## chat streams decoded together against a th
 benchmark-elastic: $(VENV)/.installed ## elastic runs on hosts of one machine: a kill and a drain against an undisturbed run (root)
 	$(PY) benchmarks/elastic.py
 
-benchmark-comm: $(VENV)/.installed ## gradient compression over a 100 Mbit/s link between hosts of one machine (root)
+benchmark-comm: $(VENV)/.installed ## train.comm options over 100 Mbit/s and 1 Gbit/s links between hosts of one machine (root, ~15 min)
 	$(PY) benchmarks/comm.py --model gpt --link-mbit 100
 	$(PY) benchmarks/comm.py --model gpt --link-mbit 1000
 

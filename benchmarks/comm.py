@@ -1,6 +1,6 @@
 """Gradients over a slow link: the same run with each `train.comm` option, side by side.
 
-    sudo .venv/bin/python benchmarks/comm.py --model gpt --link-mbit 100   # ~15 minutes on 2 cores; alone (root)
+    sudo .venv/bin/python benchmarks/comm.py --model gpt --link-mbit 100   # ~8 minutes on 2 cores (1 Gbit/s: ~6); alone, root
     sudo .venv/bin/python benchmarks/comm.py --model digits --link-mbit 100 --variants none,bf16,int8,sync4
 
 Builds the hosts of ops/local_hosts.py with every host's link limited to `--link-mbit` Mbit/s each
@@ -41,12 +41,15 @@ MODELS = {
 }
 
 
-def comm_setting(variant: str) -> str:
+def comm_settings(variant: str) -> list[str]:
+    """`--set`s of a variant: `auto`, `syncN`, `powersgdR` (PowerSGD at rank R) or a compression."""
     if variant == "auto":
-        return "train.comm.sync_every=auto"
+        return ["train.comm.sync_every=auto"]
     if variant.startswith("sync"):
-        return f"train.comm.sync_every={variant.removeprefix('sync')}"
-    return f"train.comm.compression={variant}"
+        return [f"train.comm.sync_every={variant.removeprefix('sync')}"]
+    if variant.startswith("powersgd") and variant != "powersgd":
+        return ["train.comm.compression=powersgd", f"train.comm.powersgd_rank={variant.removeprefix('powersgd')}"]
+    return [f"train.comm.compression={variant}"]
 
 
 def main() -> None:
@@ -56,7 +59,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, help="default: 2 for gpt, 6 for digits")
     p.add_argument("--stage", type=int, default=0, help="ZeRO stage (local SGD needs 0)")
     p.add_argument("--variants", default="none,bf16,powersgd,auto",
-                   help="compressions (none, bf16, fp16, int8, powersgd) and local SGD (syncN: train.comm.sync_every=N; "
+                   help="compressions (none, bf16, fp16, int8, powersgd; powersgdR: at rank R) and local SGD (syncN: train.comm.sync_every=N; "
                         "auto: train.comm.sync_every=auto)")
     p.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = p.parse_args()
@@ -75,7 +78,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             run = f"comm-{variant}"
             sets = [f"train.run_name={run}", f"train.epochs={epochs}", f"train.zero_stage={args.stage}",
-                    comm_setting(variant), *RUN, *model_sets]
+                    *comm_settings(variant), *RUN, *model_sets]
             out = hosts.submit(run, "pipelines/train.py", "--config", config,
                                *[arg for s in sets for arg in ("--set", s)], wait=False, timeout=120)
             if out.returncode != 0:
