@@ -16,7 +16,9 @@ from ._helpers import digits_spec, mlflow_runs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STAGE_0 = ("train.zero_stage=0", "train.precision=fp32", "train.epochs=6", "track.model_name=digits-comm")
+# 8 epochs: plain all-reduce settles by the 4th; PowerSGD (rank 2) learns less per sample on these small
+# matrices and needs the rest (measured: 1.7 points behind after 6 epochs, 0.3 after 8).
+STAGE_0 = ("train.zero_stage=0", "train.precision=fp32", "train.epochs=8", "track.model_name=digits-comm")
 
 
 def _train(tmp_path, name: str, *overrides: str):
