@@ -90,6 +90,9 @@ def main() -> None:
                 "val_accuracy": history[-1].get("val_accuracy"), "val_loss": history[-1]["val_loss"],
                 "gradient_dtype": history[-1]["gradient_dtype"], "sync_every": history[-1]["sync_every"],
                 "sync_auto": history[-1].get("sync_auto"),
+                # (waiting for the next batch from Ray Data, seconds, the slowest rank's, per epoch after the first)
+                "data_wait_s": sum(m.get("data_wait_s", 0.0) for m in later) / len(later),
+                "epoch_s": sum(m.get("epoch_time_s", 0.0) for m in later) / len(later),
             }
             print(f"{variant}: {results[variant]}", flush=True)
     finally:
