@@ -220,7 +220,8 @@ class Comm:
         classes are not used: they skip parameters without a gradient, and DeepSpeed's step leaves none)."""
         self.every, self._since = every, 0
         local = self.nodes.count(self.nodes[0])
-        grouped = [self.nodes[i] for i in range(0, self.world, local)]
-        if (1 < local < self.world and self.world % local == 0 and len(set(grouped)) == len(grouped)
-                and all(self.nodes[i] == self.nodes[i - i % local] for i in range(self.world))):
+        blocks = [self.nodes[i:i + local] for i in range(0, self.world, local)]
+        # every node one whole block of `local` consecutive ranks
+        whole = all(b == [b[0]] * local for b in blocks) and len({b[0] for b in blocks}) == len(blocks)
+        if 1 < local < self.world and whole:
             self.local_group, _ = dist.new_subgroups(group_size=local)
