@@ -36,6 +36,11 @@ def test_autoscaler_adds_workers_for_a_job_and_removes_them_when_idle(tmp_path):
         )
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-6000:]
+        # The job's own lines, from its driver log on the head: `ray job submit` relays them by tailing
+        # that file and has been seen to drop a line, so the file is what the run printed.
+        drivers = sorted(temp_dir.glob("session_*/logs/job-driver-*.log"))
+        assert drivers, f"no job driver log under {temp_dir}"
+        out += "".join(d.read_text(errors="replace") for d in drivers)
         # The head has no CPUs: the run asked the autoscaler and waited for CPU worker nodes.
         assert re.search(r"\[autoscaled\] the cluster has 0 CPU; asking its autoscaler for 3 CPU", out), out[-4000:]
         assert re.search(r"\[autoscaled\] nodes joined after \d+ s", out), out[-4000:]
