@@ -26,7 +26,8 @@ from flotilla.export import export_model
 from flotilla.runtime import ensure_ray
 from flotilla.spec import RunSpec, trial_spec
 from flotilla.track import SweepRun, check_tracking_uri, open_tracker, resolve_tracking_uri
-from flotilla.train import TrainingOutcome, check_cluster_fits, fit, local_copy, new_run_name
+from flotilla.train import (TrainingOutcome, check_cluster_fits, choose_layout, fit, local_copy, new_run_name,
+                            run_directory)
 from flotilla.tune import (SweepOutcome, best_trial_bundle, largest_trial, plot_sweep, space_changes_data, sweep,
                            sweep_name)
 
@@ -46,12 +47,18 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     ensure_ray(spec)
     if spec.train.elastic and not in_trial:  # before Ray Data starts Ray's own (see the function)
         start_autoscaling_coordinator()
-    check_cluster_fits(spec)
+    if not spec.train.auto_layout:  # (else once the layout is chosen, which needs the data)
+        check_cluster_fits(spec)
     if check_storage:
         for note in check_storage_reaches_every_node(local_storage(spec.train.storage_path,
                                                                      tracker.uri if tracker else None)):
             print(f"[{run_name}] {note}", flush=True)
     prepared = prepared or prepare_data(spec)
+    if spec.train.auto_layout:
+        spec, layout = choose_layout(spec, prepared, run_directory(spec, run_name), label=run_name)
+        check_cluster_fits(spec)
+        if tracker is not None:
+            tracker.ran_as(spec, layout.tags())
     outcome = fit(spec, run_name, prepared, recorder=tracker, in_trial=in_trial)
     if tracker is None:
         return outcome

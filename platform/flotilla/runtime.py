@@ -156,7 +156,10 @@ def _init_ray(spec: RunSpec | None, ingress: str, init_kwargs: dict) -> None:
     joining = "address" in init_kwargs and init_kwargs["address"] != "local"
     _STARTED_LOCAL = not joining and ("address" in init_kwargs or not cluster_address())
     if spec is not None and _STARTED_LOCAL:
-        needed = spec.train.max_workers * spec.train.cpus_per_worker + DATA_CPUS
+        t = spec.train
+        # (`num_workers: auto` on CPUs chooses between the machine's cores as workers or as threads)
+        needed = (os.cpu_count() or 1 if t.auto_layout and not t.gpus_per_worker else
+                  1 if t.auto_layout else t.max_workers * t.cpus_per_worker) + DATA_CPUS
         init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, math.ceil(needed)))
         init_kwargs.setdefault("num_gpus", _local_gpus())
     # The local cluster will serve this spec's endpoint: Serve's processes read it when they start.

@@ -6,7 +6,9 @@ test_bad_input.)"""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 
@@ -64,3 +66,27 @@ def test_sync_every_auto_measures_chooses_and_records_it(plain, tmp_path):
     assert run.data.tags["flotilla.sync_auto"] == last["sync_auto"]
     assert last["sync_auto"].endswith(f"every {every} steps" if every > 1 else "every step")
     assert run.data.metrics["sync_allreduce_ms"] == pytest.approx(allreduce)
+
+
+def test_num_workers_auto_measures_both_layouts_and_records_its_choice(ray_cluster, tmp_path, capsys):
+    """On the session's node (2 cores for training), `auto` times 2 workers x 1 thread against 1 worker
+    x 2 threads on the run's own model and batch, runs the faster (within 5 %: one worker) and says so."""
+    spec = digits_spec(tmp_path, "train.num_workers=auto", "train.epochs=2", "train.run_name=layout",
+                       "train.batch_size=32", "track.model_name=digits-layout")
+    outcome = run_training(spec)
+    printed = capsys.readouterr().out
+    line = re.search(r"train.num_workers auto: (\d) workers? x (\d) threads?, batch (\d+) per worker \(measured in \d+ s: "
+                     r"2x1 ([\d.]+) samples/s, 1x2 ([\d.]+) samples/s\)", printed)
+    assert line, printed[-3000:]
+    workers, threads, batch = map(int, line.groups()[:3])
+    apart, together = map(float, line.groups()[3:])
+    assert (workers, threads, batch) == ((2, 1, 32) if apart > together * 1.05 else (1, 2, 64))
+    last = outcome.metrics
+    assert last["world_size"] == workers and last["val_accuracy"] > 0.7
+    client, (run,) = mlflow_runs(spec.track.uri)
+    assert run.data.tags["flotilla.layout"] == f"{workers}x{threads}"
+    assert json.loads(run.data.tags["flotilla.layout_auto"]) == {"how": "measured", "2x1": pytest.approx(apart, abs=0.06),
+                                                                  "1x2": pytest.approx(together, abs=0.06)}
+    # The params say what ran; the run's directory keeps the choice for a resume.
+    assert (run.data.params["train.num_workers"], run.data.params["train.batch_size"]) == (str(workers), str(batch))
+    assert json.loads((tmp_path / "layout" / "layout.json").read_text())["num_workers"] == workers

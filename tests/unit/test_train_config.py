@@ -2,11 +2,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flotilla.errors import TrainingError
-from flotilla.spec import TrainSpec
+from flotilla.errors import SpecError, TrainingError
+from flotilla.spec import TrainSpec, load_spec
 from flotilla.train import deepspeed_config, optimizer_steps, resolve_precision
 from flotilla.train import _precision
 from flotilla.train._deepspeed_config import rank_share
+from flotilla.train._layout import Layout, with_layout
 from flotilla.train._loop import rank_batches
 
 
@@ -140,13 +141,32 @@ def test_num_workers_is_a_number_or_an_elastic_range():
     with pytest.raises(ValidationError, match=r"\[2, 1\]: the first is the minimum .* write \[1, 2\]"):
         TrainSpec(num_workers=[2, 1])
     for bad in ([0, 2], [1, 2, 3], "x", 0):
-        with pytest.raises(ValidationError, match=r"a number of workers, e.g. 2, or \[min, max\] for an elastic run"):
+        with pytest.raises(ValidationError, match=r"a number of workers, e.g. 2, \[min, max\] for an elastic run, .* or `auto`"):
             TrainSpec(num_workers=bad)
     # Every size it may take must split the global batch.
     with pytest.raises(ValidationError, match=r"on every number of workers an elastic run may have \(1 to 3\); "
                                               r"use a multiple of 192"):
         TrainSpec(num_workers=[1, 3], batch_size=32, global_batch_size=128)
     assert TrainSpec(num_workers=[1, 3], batch_size=32, global_batch_size=192).accumulation(2) == 3
+
+
+def test_num_workers_auto_is_chosen_at_the_start_and_keeps_the_samples_per_step():
+    t = TrainSpec(num_workers="auto", batch_size=32)
+    assert (t.auto_layout, t.elastic, t.describe_workers()) == (True, False, "auto")
+    with pytest.raises(ValueError, match="the run chooses it when it starts"):
+        t.max_workers
+    with pytest.raises(ValidationError, match=r"chooses `train.cpus_per_worker` too .* \(now 2\)"):
+        TrainSpec(num_workers="auto", cpus_per_worker=2)
+    assert TrainSpec(num_workers="auto", gpus_per_worker=1, cpus_per_worker=4).auto_layout  # one per GPU
+    with pytest.raises(SpecError, match=r"a sweep's trials share the node .* `--set train.num_workers=1`"):
+        load_spec(None, ["train.num_workers=auto", "tune.space={train.lr: {loguniform: [0.001, 0.01]}}"])
+    # The chosen layout is validated again: one worker of 2 threads takes both workers' rows a step.
+    spec = load_spec(None, ["train.num_workers=auto", "train.batch_size=32", "train.global_batch_size=128"])
+    one = with_layout(spec, Layout(1, 2, 64, "measured", {}))
+    assert (one.train.num_workers, one.train.cpus_per_worker, one.train.accumulation(1)) == (1, 2, 2)
+    assert with_layout(spec, Layout(2, 1, 32, "measured", {})).train.accumulation(2) == 2
+    with pytest.raises(ValidationError, match=r"global_batch_size` = 128 is not a whole number of micro-batches"):
+        with_layout(spec, Layout(1, 3, 96, "measured", {}))
 
 
 def test_a_global_batch_the_workers_cannot_split_is_refused_naming_a_size_that_fits():

@@ -283,11 +283,14 @@ class CommSpec(_Section):
 class TrainSpec(_Section):
     """How the model is trained: Ray Train workers, DeepSpeed, schedule, checkpoints."""
 
-    num_workers: Union[int, tuple[int, int]] = Field(
+    num_workers: Union[int, tuple[int, int], Literal["auto"]] = Field(
         2,
         description="Ray Train workers (data-parallel ranks): a number, or `[min, max]` for an elastic run that starts "
         "as soon as `min` fit (asking an autoscaler for `max`), grows when capacity joins and goes on without "
-        "a lost node's workers while `min` remain. Each size change resumes from the last checkpoint.",
+        "a lost node's workers while `min` remain. Each size change resumes from the last checkpoint. `auto`: on "
+        "one CPU node of N cores, N workers x 1 thread or 1 worker x N threads, whichever a short measurement at "
+        "the start finds faster (it sets `cpus_per_worker`, and one worker takes `batch_size` x N rows a step: "
+        "the same samples per step either way); with GPUs, one worker per GPU.",
     )
     resize_check_s: float = Field(
         60, ge=1,
@@ -373,15 +376,26 @@ class TrainSpec(_Section):
         return isinstance(self.num_workers, tuple)
 
     @property
+    def auto_layout(self) -> bool:
+        """`num_workers: auto`: the run chooses its workers when it starts (`flotilla.train.choose_layout`)."""
+        return self.num_workers == "auto"
+
+    @property
     def min_workers(self) -> int:
+        if self.auto_layout:
+            raise ValueError("`train.num_workers` is `auto`: the run chooses it when it starts (choose_layout)")
         return self.num_workers[0] if self.elastic else self.num_workers
 
     @property
     def max_workers(self) -> int:
+        if self.auto_layout:
+            raise ValueError("`train.num_workers` is `auto`: the run chooses it when it starts (choose_layout)")
         return self.num_workers[1] if self.elastic else self.num_workers
 
     def describe_workers(self) -> str:
-        """`2`, or `1-2` for an elastic run."""
+        """`2`, `1-2` for an elastic run, `auto` before the run chose."""
+        if self.auto_layout:
+            return "auto"
         return f"{self.min_workers}-{self.max_workers}" if self.elastic else str(self.num_workers)
 
     def worker_resources(self) -> dict[str, float]:
@@ -412,6 +426,8 @@ class TrainSpec(_Section):
         if self.global_batch_size is not None and self.grad_accum != 1:
             raise ValueError("`train.global_batch_size` sets the gradient accumulation itself: give it or "
                              f"`train.grad_accum` (now {self.grad_accum}), not both")
+        if self.auto_layout:  # checked when the run has chosen its workers
+            return self
         sizes = range(self.min_workers, self.max_workers + 1)  # every size an elastic run may take
         if self.elastic and any(self.accumulation_problem(n) for n in sizes):
             every = self.batch_size * math.lcm(*sizes)
@@ -430,10 +446,10 @@ class TrainSpec(_Section):
     def _workers(cls, value: Any) -> Any:
         def count(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v > 0
-        if isinstance(value, bool) or count(value) or (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(count, value))):
+        if value == "auto" or isinstance(value, bool) or count(value) or (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(count, value))):
             return tuple(value) if isinstance(value, (list, tuple)) else value  # (a boolean: said by boolean_problems)
-        raise ValueError(f"`train.num_workers` is a number of workers, e.g. 2, or [min, max] for an elastic run, "
-                         "e.g. [1, 4] (whole numbers from 1)")
+        raise ValueError(f"`train.num_workers` is a number of workers, e.g. 2, [min, max] for an elastic run, "
+                         "e.g. [1, 4] (whole numbers from 1), or `auto` (measured at the start)")
 
     @model_validator(mode="after")
     def _elastic_range(self) -> "TrainSpec":
@@ -444,6 +460,13 @@ class TrainSpec(_Section):
                                  f"maximum; write [{high}, {low}]")
             if low == high:
                 self.num_workers = low  # a fixed size written as a range
+        return self
+
+    @model_validator(mode="after")
+    def _auto_sets_the_threads(self) -> "TrainSpec":
+        if self.auto_layout and self.cpus_per_worker != 1 and not self.gpus_per_worker:
+            raise ValueError(f"`train.num_workers: auto` chooses `train.cpus_per_worker` too (the threads of each worker); "
+                             f"leave it out (now {self.cpus_per_worker:g}), or give `train.num_workers` a number")
         return self
 
     @model_validator(mode="after")
@@ -651,6 +674,11 @@ class RunSpec(_Section):
                     "sweep's trials do not take (the scheduler compares trials by their steps, and a resize would make "
                     "them unequal); give its trials a fixed number of workers, e.g. "
                     f"`--set train.num_workers={self.train.min_workers}`")
+            if self.train.auto_layout:
+                raise ValueError(
+                    "`train.num_workers: auto` measures the node's layout at the start of a run, and a sweep's trials "
+                    "share the node (the measurement would see the others); give its trials a number of workers, e.g. "
+                    "`--set train.num_workers=1`")
             problems = self._space_paths_problems()
             if problems:
                 raise ValueError("\n".join(problems))  # one line each

@@ -192,6 +192,12 @@ class Tracker:
         self.continued = False
         self.logged_steps: set[int] = set()
 
+    def ran_as(self, spec: RunSpec, tags: dict[str, str]) -> None:
+        """The spec as the run chose to run it (`train.num_workers: auto` made a number), and tags that
+        say how it chose; logged at `start` in place of the spec as written."""
+        self.spec = spec
+        self.extra_tags.update(tags)
+
     # ------------------------------------------------------------------ start
     def start(self, prepared, storage_dir: str) -> None:
         experiment_id = self.experiment_id()
@@ -215,6 +221,7 @@ class Tracker:
             "resources.num_workers": t.describe_workers(),  # `1-4` for an elastic run
             "resources.cpus": f"{t.max_workers * t.cpus_per_worker:g}",  # (at most)
             "resources.gpus": f"{t.max_workers * t.gpus_per_worker:g}",
+            **self.extra_tags,
             **_versions(),
             **_git(),
         }

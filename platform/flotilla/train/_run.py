@@ -432,6 +432,12 @@ def _finished_bundle(fs: pafs.FileSystem, root: str, run_name: str, epochs: int,
     return metrics if complete else None
 
 
+def run_directory(spec: RunSpec, run_name: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of run `run_name`'s directory under `train.storage_path`."""
+    fs, root = filesystem_for(spec.train.storage_path, "train.storage_path")
+    return fs, f"{root}/{run_name}"
+
+
 def _write_run_record(fs: pafs.FileSystem, root: str, run_name: str, spec: RunSpec, fingerprint: str) -> None:
     fs.create_dir(f"{root}/{run_name}", recursive=True)
     with fs.open_output_stream(f"{root}/{run_name}/spec.yaml") as f:
