@@ -241,7 +241,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         serve.shutdown()
 
 
-CHAT_FUZZ_CASES = 600  # per route: 1,200 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
+CHAT_FUZZ_CASES = 400  # per route: 800 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
 
 
 def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):
@@ -270,7 +270,7 @@ def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):
             server_errors += [(route, *e) for e in errors]
         print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
         assert not server_errors, server_errors[:5]
-        assert sum(sum(c.values()) for c in statuses.values()) >= 1000, statuses
+        assert sum(sum(c.values()) for c in statuses.values()) >= 3 * CHAT_FUZZ_CASES // 2, statuses  # (hypothesis may draw fewer)
         assert all(c[200] > 0 for c in statuses.values()), statuses  # valid bodies were drawn too
         answer = requests.post(endpoint.url + "/v1/completions", json={"model": "instruct-lora", "prompt": "Hi",
                                                                        "max_tokens": 2}, timeout=60)
