@@ -49,7 +49,7 @@ def test_dataset_twice_the_object_store_trains(tmp_path):
         ensure_ray(num_cpus=3, object_store_memory={OBJECT_STORE_BYTES}, include_dashboard=False, address="local")
         spec = load_spec({str(ROOT / 'configs' / 'digits.yaml')!r}, [
             "data.source={data}", "data.label=y", "data.scaling=none", "data.val_fraction=0.02",
-            "model.hidden=[16]", "train.epochs=1", "train.batch_size=2048", "train.zero_stage=1",
+            "model.hidden=[16]", "train.epochs=1", "train.batch_size=1024", "train.zero_stage=1",
             "train.precision=fp32", "train.comm.compression=bf16", "train.storage_path={tmp_path / 'runs'}", "train.run_name=big",
             "track.enabled=false",
         ])
