@@ -284,7 +284,7 @@ def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
     assert replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables") == before  # none restarted
 
 
-FUZZ_CASES = 1000  # per endpoint
+FUZZ_CASES = 600  # per endpoint (Hypothesis draws the same ones every run)
 
 
 def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):

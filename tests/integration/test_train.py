@@ -199,9 +199,11 @@ def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
             time.sleep(0.05)
 
+    began = time.monotonic()
     first = start("first")
     try:
         wait_for_epoch(first, "first", 2)
+        print(f"timing: epoch 2 of the first driver at {time.monotonic() - began:.1f} s")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)  # the driver, mid-run, without a word
@@ -211,9 +213,11 @@ def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_
     while own_ray_processes("ray::RayTrainWorker") and time.monotonic() < deadline:
         time.sleep(0.5)
 
+    print(f"timing: the dead driver's workers gone at {time.monotonic() - began:.1f} s")
     second = start("second")
     try:
         wait_for_epoch(second, "second", 3)
+        print(f"timing: epoch 3 of the second driver at {time.monotonic() - began:.1f} s")
         with open(filler, "wb") as f:  # every byte left
             with contextlib.suppress(OSError):
                 while True:
@@ -239,6 +243,7 @@ def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_
     hint = re.search(r"^resume with: (.*)$", out, re.M)
     assert hint and hint.group(1).endswith("--resume unlucky"), out[-2000:]
 
+    print(f"timing: the second driver stopped at {time.monotonic() - began:.1f} s")
     filler.unlink()
     words = shlex.split(hint.group(1))
     third = subprocess.run([str(Path(sys.executable).parent / words[0]), *words[1:]], capture_output=True, text=True,
@@ -246,6 +251,7 @@ def test_a_killed_driver_then_a_full_disk_each_resume_with_the_same_command(ray_
     out = third.stdout + third.stderr
     assert third.returncode == 0, out[-4000:]
     assert f"resumed from epoch {intact}" in out, out[-4000:]
+    print(f"timing: the third driver finished at {time.monotonic() - began:.1f} s")
     history = json.loads((run_dir / "bundle" / "metrics.json").read_text())["history"]
     assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5, 6]
     client, runs = mlflow_runs(store_uri(tmp_path))
