@@ -72,7 +72,7 @@ def test_num_workers_auto_measures_both_layouts_and_records_its_choice(ray_clust
     """On the session's node (2 cores for training), `auto` times 2 workers x 1 thread against 1 worker
     x 2 threads on the run's own model and batch, runs the faster (within 5 %: one worker) and says so."""
     spec = digits_spec(tmp_path, "train.num_workers=auto", "train.epochs=2", "train.run_name=layout",
-                       "train.batch_size=32", "track.model_name=digits-layout")
+                       "train.batch_size=32", "track.register_model=false")
     outcome = run_training(spec)
     printed = capsys.readouterr().out
     line = re.search(r"train.num_workers auto: (\d) workers? x (\d) threads?, batch (\d+) per worker \(measured in \d+ s: "
