@@ -153,24 +153,7 @@ print(status(None, None), status("flotilla", "wrong"),
     assert asked.stdout.split() == ["401", "401", "200"], (asked.stdout, asked.stderr[-2000:])
 
 
-ELASTIC = local_hosts.ELASTIC_RUN
-ELASTIC_EPOCHS = 25  # ~1 s an epoch on 2 workers: long enough to lose a host in one and to grow back after
-
-
-@pytest.fixture(scope="module")
-def steady_job(hosts) -> str:
-    """The undisturbed elastic run that the disturbed ones are held to, submitted without waiting by
-    the first test that asks for it: it trains on the worker hosts while the storage checks' jobs
-    fail on the head (their drivers check before any worker starts)."""
-    # Storage comes from the cluster's environment (cluster.yaml); not tracked: the runs after it are.
-    out = hosts.submit("train-0", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
-                       "train.run_name=steady", "--set", f"train.epochs={ELASTIC_EPOCHS}", *ELASTIC,
-                       "--set", "track.enabled=false", wait=False, timeout=120)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    return "train-0"
-
-
-def test_storage_that_one_node_sees_is_refused_before_training(hosts, steady_job):
+def test_storage_that_one_node_sees_is_refused_before_training(hosts):
     # /tmp/ray is each host's own: a job that would checkpoint or track there is refused, naming both.
     # And a table on the client host only: the job's driver, on the head, says where it looked.
     hosts.run("client", ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/ray/mine.csv"], check=True)
@@ -192,14 +175,21 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts, steady_job
 
 
 # ------------------------------------------------------------------ the lifecycle
+ELASTIC = local_hosts.ELASTIC_RUN
+ELASTIC_EPOCHS = 25  # ~1 s an epoch on 2 workers: long enough to lose a host in one and to grow back after
+
+
 def epoch_lines(log: str) -> list[tuple[int, int]]:
     """(epoch, workers) of each epoch line of a job's log, in order."""
     return [(int(e), int(w)) for e, w in re.findall(r"\] epoch (\d+)/\d+ .*, (\d+) workers, ", log)]
 
 
-def test_an_undisturbed_elastic_run_sets_the_accuracy_the_disturbed_ones_are_held_to(hosts, steady_job):
-    status = hosts.wait_for_job(steady_job)
-    assert status == "SUCCEEDED", hosts.job_log(steady_job)[-3000:]
+def test_an_undisturbed_elastic_run_sets_the_accuracy_the_disturbed_ones_are_held_to(hosts):
+    # Storage comes from the cluster's environment (cluster.yaml); not tracked: the runs after it are.
+    out = hosts.submit("train-0", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
+                 "train.run_name=steady", "--set", f"train.epochs={ELASTIC_EPOCHS}", *ELASTIC,
+                 "--set", "track.enabled=false")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     record = hosts.stored_run("steady")["metrics"]
     assert [m["epoch"] for m in record["history"]] == list(range(1, ELASTIC_EPOCHS + 1))
     # Nothing lost (a run may start on 1 worker while a host is still busy with the job before, and grow).
