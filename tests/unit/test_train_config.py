@@ -167,6 +167,13 @@ def test_num_workers_auto_is_chosen_at_the_start_and_keeps_the_samples_per_step(
     assert with_layout(spec, Layout(2, 1, 32, "measured", {})).train.accumulation(2) == 2
     with pytest.raises(ValidationError, match=r"global_batch_size` = 128 is not a whole number of micro-batches"):
         with_layout(spec, Layout(1, 3, 96, "measured", {}))
+    # What the run prints.
+    assert Layout(1, 1, 32, "one core", {}).describe() == (
+        "train.num_workers auto: 1 worker x 1 thread, batch 32 per worker (the node has one CPU for training beside "
+        "the data pipeline's: nothing to choose)")
+    assert Layout(2, 1, 32, "measured", {"2x1": 50.0, "1x2": 40.0}, 4.2).describe() == (
+        "train.num_workers auto: 2 workers x 1 thread, batch 32 per worker (measured in 4 s: 2x1 50.0 samples/s, "
+        "1x2 40.0 samples/s)")
 
 
 def test_a_global_batch_the_workers_cannot_split_is_refused_naming_a_size_that_fits():

@@ -48,7 +48,7 @@ class Layout:
     num_workers: int
     threads: int  # per worker (its cpus_per_worker)
     batch_size: int  # per worker per step
-    how: str  # "measured", "gpus", "resumed"
+    how: str  # "measured", "one core", "gpus", "resumed"
     samples_per_s: dict[str, float]  # what the probe measured: {"2x1": ..., "1x2": ...}
     probe_s: float = 0.0
 
@@ -57,6 +57,9 @@ class Layout:
                  f"thread{'s' if self.threads > 1 else ''}, batch {self.batch_size} per worker"
         if self.how == "gpus":
             return f"train.num_workers auto: {chosen} (one worker per GPU)"
+        if self.how == "one core":
+            return (f"train.num_workers auto: {chosen} (the node has one CPU for training beside the data "
+                    "pipeline's: nothing to choose)")
         if self.how == "resumed":
             return f"train.num_workers auto: {chosen}, as the run chose before it stopped"
         rates = ", ".join(f"{k} {v:.1f} samples/s" for k, v in self.samples_per_s.items())
@@ -134,7 +137,7 @@ def _node_cpus(label: str) -> int:
 def _measure(spec: RunSpec, prepared, n: int) -> Layout:
     t = spec.train
     if n == 1:
-        return Layout(1, 1, t.batch_size, "measured", {})
+        return Layout(1, 1, t.batch_size, "one core", {})
     started = time.monotonic()
     rows = t.batch_size * n
     batch = prepared.train.take_batch(rows, batch_format="numpy")
