@@ -71,7 +71,7 @@ class Layout:
 
 
 def choose_layout(spec: RunSpec, prepared, run_dir: tuple[pafs.FileSystem, str] | None = None,
-                  label: str = "flotilla") -> tuple[RunSpec, Layout]:
+                  label: str = "flotilla") -> tuple[RunSpec, Layout | None]:
     """`spec` with `train.num_workers: auto` made a number (and `cpus_per_worker`, `batch_size`
     to match), and the layout; a spec with a number is returned as it is, with None.
 
@@ -80,7 +80,7 @@ def choose_layout(spec: RunSpec, prepared, run_dir: tuple[pafs.FileSystem, str] 
     t = spec.train
     if t.num_workers != "auto":
         return spec, None
-    layout = _recorded(run_dir, t)
+    layout = _recorded(run_dir)
     if layout is None:
         if t.gpus_per_worker:
             gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -105,7 +105,7 @@ def with_layout(spec: RunSpec, layout: Layout) -> RunSpec:
     return type(spec).model_validate(raw)
 
 
-def _recorded(run_dir: tuple[pafs.FileSystem, str] | None, t) -> Layout | None:
+def _recorded(run_dir: tuple[pafs.FileSystem, str] | None) -> Layout | None:
     if run_dir is None:
         return None
     fs, path = run_dir
