@@ -40,6 +40,7 @@ from flotilla.models._hf import build_hf_causal_lm  # noqa: E402
 from flotilla.models._hf_tiny import build_tiny_llama  # noqa: E402
 from flotilla.spec import load_spec  # noqa: E402
 from flotilla.train import measured_peak_flops, resolve_precision  # noqa: E402
+from flotilla.train._layout import workers_by_threads  # noqa: E402
 from flotilla.train._precision import torch_dtype  # noqa: E402
 
 CONTEXT, BATCH, WORKERS = 128, 8, 2  # micro-batch per worker; the bare loop takes BATCH * WORKERS
@@ -123,7 +124,7 @@ def main() -> None:
         steady = run_training(layout_spec).history[1:]
         results["a_layout"] = sum(m["tokens_per_s"] for m in steady) / len(steady)
         chosen = steady[-1]["world_size"]
-        layout = f"{chosen} worker{'s' if chosen > 1 else ''} x {WORKERS // chosen} thread{'s' if chosen == 1 else ''}"
+        layout = workers_by_threads(chosen, WORKERS // chosen)
         print(f"(a') Flotilla, num_workers auto ({layout}): {results['a_layout']:.0f} tokens/s", flush=True)
 
     def mfu(tokens_per_s: float) -> float:

@@ -36,6 +36,7 @@ from flotilla.spec import load_spec  # noqa: E402
 from flotilla.data import ByteWindows, VOCAB_SIZE, resolve_source  # noqa: E402
 from flotilla.models import build_model, flops_per_token  # noqa: E402
 from flotilla.train import measured_peak_flops, resolve_precision  # noqa: E402
+from flotilla.train._layout import workers_by_threads  # noqa: E402
 
 SPEC = [
     "name=bench-gpt", "data.source=pycode", "data.max_bytes=150000", "data.val_fraction=0.2",
@@ -142,7 +143,7 @@ def main() -> None:
         steady_layout = run_training(spec_layout).history[1:]
         results["a_layout"] = sum(m["samples_per_s"] for m in steady_layout) / len(steady_layout)
         chosen = steady_layout[-1]["world_size"]
-        layout = f"{chosen} worker{'s' if chosen > 1 else ''} x {2 // chosen} thread{'s' if chosen == 1 else ''}"
+        layout = workers_by_threads(chosen, 2 // chosen)
         print(f"(a'') Flotilla, num_workers auto ({layout}): {results['a_layout']:.1f} samples/s", flush=True)
     auto_peak = measured_peak_flops("cpu", auto)
 

@@ -53,8 +53,7 @@ class Layout:
     probe_s: float = 0.0
 
     def describe(self) -> str:
-        chosen = f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''} x {self.threads} " \
-                 f"thread{'s' if self.threads > 1 else ''}, batch {self.batch_size} per worker"
+        chosen = f"{workers_by_threads(self.num_workers, self.threads)}, batch {self.batch_size} per worker"
         if self.how == "gpus":
             return f"train.num_workers auto: {chosen} (one worker per GPU)"
         if self.how == "one core":
@@ -68,6 +67,11 @@ class Layout:
     def tags(self) -> dict[str, str]:
         return {"flotilla.layout": f"{self.num_workers}x{self.threads}",
                 "flotilla.layout_auto": json.dumps({"how": self.how, **{k: round(v, 2) for k, v in self.samples_per_s.items()}})}
+
+
+def workers_by_threads(workers: int, threads: int) -> str:
+    """`2 workers x 1 thread`, `1 worker x 2 threads`."""
+    return f"{workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}"
 
 
 def choose_layout(spec: RunSpec, prepared, run_dir: tuple[pafs.FileSystem, str] | None = None,
