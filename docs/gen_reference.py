@@ -158,6 +158,7 @@ def _apps():
     from flotilla.serve._chat import chat_api
     from flotilla.serve._openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         CompletionRequest, CompletionResponse, OpenAIError)
+    from flotilla.serve._router import router_api
     from flotilla.serve._server import classifier_api, generator_api
 
     # The chat routes read the raw request and validate it with these models (flotilla.serve._chat),
@@ -166,13 +167,19 @@ def _apps():
         "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
         "/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse),
     }
+    routed = {path.removeprefix("/v1"): models for path, models in chat_bodies.items()}
+    prefix = "{prefix}"
     return [
-        ("classifier", "serve_apps.classifier:app", "tabular models (`model.kind` `mlp` or `custom`)",
-         classifier_api, {}, None),
-        ("generator", "serve_apps.generator:app", "byte-level language models (`model.kind: gpt`)",
-         generator_api, {}, None),
-        ("chat", "serve_apps.chat:app", "fine-tuned pretrained language models (`model.kind: hf_causal_lm`)",
-         chat_api, chat_bodies, OpenAIError),
+        ("Classifier", "serve_apps.classifier:app", "tabular models (`model.kind` `mlp` or `custom`)",
+         classifier_api, {}, None, prefix),
+        ("Generator", "serve_apps.generator:app", "byte-level language models (`model.kind: gpt`)",
+         generator_api, {}, None, prefix),
+        ("Chat", "serve_apps.chat:app", "fine-tuned pretrained language models (`model.kind: hf_causal_lm`)",
+         chat_api, chat_bodies, OpenAIError, prefix),
+        ("OpenAI router", "serve_apps.openai:app", "every chat app of the cluster at one base URL, `/v1` (started by "
+         "the first `flotilla deploy` of a language model; `serve.openai_router`), routed by the body's `model`: "
+         "the model's own answers and errors; an unknown `model` is a 404 with `code: model_not_found`",
+         router_api, routed, OpenAIError, "/v1"),
     ]
 
 
@@ -319,16 +326,16 @@ def http_page() -> str:
         "- `GET {prefix}/docs` serves the app's OpenAPI document as interactive docs.",
         "",
     ]
-    for kind, import_path, serves, api, bodies, error_model in _apps():
+    for heading, import_path, serves, api, bodies, error_model, prefix in _apps():
         spec = api.openapi()
         title = spec["info"]["title"]
-        out += [f"## {kind.capitalize()}", "",
+        out += [f"## {heading}", "",
                 f"{md(title)}: {md(spec['info'].get('description', ''))} Serves {serves}; "
                 f"`{import_path}`.", ""]
         rows, details = [], []
         for path, operations in spec["paths"].items():
             for method, op in operations.items():
-                full = "{prefix}" + path
+                full = prefix + path
                 rows.append([method.upper(), code(full), cell(op.get("summary", ""))])
                 if method != "post":
                     continue

@@ -4,6 +4,7 @@
     endpoint = deploy(plan)           # POST {endpoint.url}/predict  or  {endpoint.url}/generate
     build_application(plan)           # the Serve application, for `serve run` / `serve deploy` builders
     deploy_apps("serve_apps/config.yaml", address="http://HEAD:8265")  # a Serve config, with this checkout
+    openai_router()                   # /v1: one OpenAI base URL for every language model, routed by `model`
 """
 
 from flotilla.serve._apps import deploy_apps
@@ -21,6 +22,7 @@ from flotilla.serve._deploy import (
     sample_request,
     served_model,
 )
+from flotilla.serve._router import ROUTER_APP, OpenAIRouter, openai_router
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
 from flotilla.spec import traffic_override
@@ -38,11 +40,14 @@ __all__ = [
     "Generator",
     "PredictRequest",
     "TrafficSplit",
+    "OpenAIRouter",
+    "ROUTER_APP",
     "build_application",
     "delete_endpoint",
     "deploy",
     "deploy_apps",
     "load_version",
+    "openai_router",
     "plan_deployment",
     "promote_candidate",
     "query_endpoint",

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from ray import serve
 
 from flotilla.bundle import TextDecoder
@@ -238,6 +239,17 @@ def stream_together(bundle, generations: list[_Generation]) -> None:
         raise
 
 
+class _Forwarded:
+    """What the handlers read of a request (`headers`, `stream()`), for one the router forwards."""
+
+    def __init__(self, body: bytes, headers: list[tuple[str, str]]):
+        self.headers = Headers(raw=[(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers])
+        self._body = body
+
+    async def stream(self):
+        yield self._body
+
+
 def _finish(generation: _Generation) -> Iterator[str]:
     """The finish reason, read once the pieces are exhausted (the streams call `next` on it then)."""
     yield generation.finish
@@ -269,9 +281,32 @@ class Chat(_ModelServer):
     def error_response(self, error: ApiError) -> Response:
         return openai_response(error)
 
-    @chat_api.get("/", summary="What this endpoint serves")
+    def served_models(self) -> list[str]:
+        """The `model` names this app answers for (the OpenAI router's directory, `_router`)."""
+        return [self.model_name]
+
+    async def routed(self, path: str, body: bytes, headers: list[tuple[str, str]]):
+        """A request the OpenAI router (`flotilla.serve._router`) forwards through this app's handle,
+        answered exactly as on the app's own route: first the response's status and headers, then
+        its body, in pieces as a stream's events are produced."""
+        request = _Forwarded(body, headers)
+        handler = {"/v1/chat/completions": self.chat_completions, "/v1/completions": self.completions}[path]
+        response = await handler(request)
+        streaming = isinstance(response, StreamingResponse)
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        yield {"status": response.status_code, "headers": headers, "media_type": response.media_type,
+               "stream": streaming}
+        if streaming:
+            async for part in response.body_iterator:
+                yield part.encode() if isinstance(part, str) else part
+        else:
+            yield bytes(response.body)
+
+    @chat_api.get("/", summary="What this endpoint serves (also OpenAI's model object: at the default prefix this "
+                  "is `GET /v1/models/NAME`)")
     def describe(self) -> dict[str, Any]:
-        return self.info()
+        # Serve routes by the longest prefix, so the OpenAI router's GET /v1/models/NAME lands here.
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flotilla", **self.info()}
 
     @chat_api.get("/v1/models", summary="The served model, as OpenAI lists models")
     def models(self) -> dict[str, Any]:

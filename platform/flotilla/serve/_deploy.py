@@ -219,7 +219,28 @@ def deploy(plan: DeploymentPlan, app_name: str | None = None) -> Endpoint:
     serve.run(build_application(plan), name=name, route_prefix=plan.route_prefix, blocking=False)
     # All interfaces: show this node's cluster address (127.0.0.1 on a laptop's local Ray).
     shown = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+    if plan.kind == "chat" and s.openai_router:
+        notes += _ensure_router(s, f"http://{shown}:{port}")
     return Endpoint(plan, f"http://{shown}:{port}{plan.route_prefix}", name, notes)
+
+
+def _ensure_router(s: ServeSpec, base: str) -> list[str]:
+    """The OpenAI router at /v1 (`flotilla.serve._router`), started unless it runs: it finds the
+    chat apps itself, so a model deployed later needs nothing from it."""
+    from ray import serve
+
+    from flotilla.serve._router import ROUTE_PREFIX, ROUTER_APP, openai_router
+
+    running = serve.status().applications.get(ROUTER_APP)
+    if running is not None and running.status in ("RUNNING", "DEPLOYING"):
+        return []
+    try:
+        serve.run(openai_router(s.max_body_bytes), name=ROUTER_APP, route_prefix=ROUTE_PREFIX, blocking=False)
+    except Exception as e:  # e.g. another application already serves /v1
+        return [f"the OpenAI router was not started at {ROUTE_PREFIX}: {str(e).splitlines()[0]} "
+                "(`--set serve.openai_router=false` to not ask for it)"]
+    return [f"every language model here also answers at one OpenAI base URL: {base}{ROUTE_PREFIX} "
+            "(the request's `model` chooses)"]
 
 
 def _start_serve(http_options: dict[str, Any], attempts: int = 3) -> None:

@@ -111,6 +111,10 @@ class ServeSpec(_Section):
     route_prefix: Optional[str] = Field(
         None, description="URL prefix of the endpoint; null uses `/v1/models/<model>`."
     )
+    openai_router: bool = Field(
+        True, description="With a language model: also serve one OpenAI-compatible base URL for every language "
+        "model of the cluster at `/v1` (`/v1/models`, `/v1/chat/completions`, `/v1/completions`, routed by the "
+        "request's `model`), beside the model's own prefix. Started once; models deployed later join it.")
     runtime: Literal["torch", "onnx", "onnx-int8", "auto"] = Field(
         "torch",
         description="What runs the model in a replica: `torch`, or a variant `flotilla export` built and gated "

@@ -1,0 +1,188 @@
+"""One OpenAI base URL for every language model the cluster serves.
+
+    GET  /v1/models              every model the chat applications answer for
+    POST /v1/chat/completions    {"model": NAME, ...}: routed by `model`
+    POST /v1/completions         {"model": NAME, ...}
+
+    OpenAI(base_url="http://HOST:8000/v1", api_key="unused")
+
+The router is a Serve application of its own (`openai`, at `/v1`; Serve sends a path to the
+longest prefix that matches, so each model's own `/v1/models/NAME` stays with its app). It finds
+the chat applications through Serve (`serve.status()`), asks each which models it answers for
+(`Chat.served_models`), and forwards a request through the application's handle (`Chat.routed`):
+the model's own validation, versions, canary split, sticky callers, batching, limits, metrics and
+errors, streamed or whole. A model deployed after the router is found at its first request; an
+unknown one gets OpenAI's 404 (`code: model_not_found`) naming the models there are.
+"""
+
+# No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from flotilla.serve._chat import openai_response
+from flotilla.serve._openai import ChatCompletionRequest, CompletionRequest
+from flotilla.serve._server import ApiError, _api, _body_schema, logger
+
+ROUTER_APP = "openai"
+ROUTE_PREFIX = "/v1"
+CHAT_DEPLOYMENT = "chat"  # the ingress deployment of every chat application (`build_application`)
+DIRECTORY_TTL_S = 5.0  # how long the router trusts what it found; an unknown model asks again at once
+
+router_api = _api("Flotilla OpenAI router", "One OpenAI-compatible base URL for every language model served here; "
+                  "requests go to the model their `model` field names.", openai_response)
+
+
+def _not_found(model: str, served: list[str]) -> ApiError:
+    there = ", ".join(served) if served else "none (deploy one with `flotilla deploy`)"
+    return ApiError(404, f"The model `{model}` does not exist here; models served: {there} (GET /v1/models)")
+
+
+@serve.deployment(name="router", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(router_api)
+class OpenAIRouter:
+    def __init__(self, max_body_bytes: int = 1_000_000):
+        self.max_body_bytes = max_body_bytes
+        self._models: dict[str, str] = {}  # model id -> the application that serves it
+        self._found_at = -1e9
+        self._handles: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ the directory
+    async def directory(self, fresh: bool = False) -> dict[str, str]:
+        """Which application serves each model, found anew when `fresh` or older than DIRECTORY_TTL_S."""
+        async with self._lock:
+            if fresh or time.monotonic() - self._found_at > DIRECTORY_TTL_S:
+                self._models = await self._find()
+                self._found_at = time.monotonic()
+            return self._models
+
+    async def _find(self) -> dict[str, str]:
+        status = await asyncio.to_thread(serve.status)
+        apps = sorted(name for name, app in status.applications.items()
+                      if name != ROUTER_APP and CHAT_DEPLOYMENT in app.deployments
+                      and app.status in ("RUNNING", "DEPLOYING", "UNHEALTHY"))  # (an update in place still answers)
+        found: dict[str, str] = {}
+        for name in apps:
+            try:
+                handle = await self._handle(name)
+                models = await handle.served_models.remote()
+            except Exception as e:  # redeployed or going away at this instant: asked again next time
+                logger.warning("router: application %s did not say what it serves (%s)", name, e)
+                continue
+            for model in models:
+                if model in found:
+                    logger.warning("router: %s is served by %s and %s; routing to %s", model, found[model], name,
+                                   found[model])
+                found.setdefault(model, name)
+        return found
+
+    async def _handle(self, app: str):
+        if app not in self._handles:
+            self._handles[app] = await asyncio.to_thread(serve.get_app_handle, app)
+        return self._handles[app]
+
+    # ------------------------------------------------------------------ routes
+    @router_api.get("/models", summary="Every model served here, as OpenAI lists models")
+    async def models(self) -> dict[str, Any]:
+        served = await self.directory(fresh=True)
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "flotilla"}
+                                           for m in sorted(served)]}
+
+    @router_api.get("/models/{model}", summary="One model served here")
+    async def model(self, model: str) -> Response:
+        served = await self.directory(fresh=True)
+        if model not in served:
+            return self._error(_not_found(model, sorted(served)))
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "flotilla"})
+
+    @router_api.post("/chat/completions", summary="Routed to the model the body names (OpenAI chat completions)",
+                     openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._route(request, "/v1/chat/completions")
+
+    @router_api.post("/completions", summary="Routed to the model the body names (OpenAI completions)",
+                     openapi_extra=_body_schema(CompletionRequest))
+    async def completions(self, request: Request) -> Response:
+        return await self._route(request, "/v1/completions")
+
+    # ------------------------------------------------------------------ forwarding
+    @staticmethod
+    def _error(error: ApiError) -> Response:
+        response = openai_response(error)
+        if error.status == 404:
+            body = json.loads(response.body)
+            body["error"].update(param="model", code="model_not_found")
+            return JSONResponse(body, status_code=404)
+        return response
+
+    async def _route(self, request: Request, path: str) -> Response:
+        try:
+            raw = await self._body(request)
+            model = self._model_of(raw)
+            served = await self.directory()
+            if model not in served:
+                served = await self.directory(fresh=True)
+            if model not in served:
+                raise _not_found(model, sorted(served))
+        except ApiError as e:
+            return self._error(e)
+        app = served[model]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+        try:
+            handle = await self._handle(app)
+            parts = handle.options(stream=True).routed.remote(path, raw, headers)
+            head = await parts.__anext__()
+        except Exception as e:  # the application went away between finding it and asking it
+            logger.warning("router: %s (serving %s) failed a request: %s", app, model, e)
+            self._handles.pop(app, None)
+            self._found_at = -1e9
+            return self._error(ApiError(503, f"the application serving `{model}` is not answering ({type(e).__name__}); "
+                                             "retry shortly"))
+        if head["stream"]:
+            async def rest():
+                async for part in parts:
+                    yield part
+            return StreamingResponse(rest(), status_code=head["status"], headers=head["headers"],
+                                     media_type=head["media_type"])
+        body = b"".join([part async for part in parts])
+        return Response(body, status_code=head["status"], headers=head["headers"], media_type=head["media_type"])
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        limit = self.max_body_bytes
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _model_of(raw: bytes) -> str:
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "request body nests arrays or objects too deeply") from None
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}; send a JSON object with a `model`") from None
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "invalid request: model: name the model to answer (one of GET /v1/models)")
+        return model
+
+
+def openai_router(max_body_bytes: int = 1_000_000):
+    """The router application (what `serve run`/`serve deploy` builders return)."""
+    return OpenAIRouter.bind(max_body_bytes)
+
+
+__all__ = ["OpenAIRouter", "ROUTER_APP", "ROUTE_PREFIX", "openai_router"]
