@@ -49,7 +49,7 @@ def finetuned(ray_cluster, tiny_llama, tmp_path_factory) -> FineTuned:
     return FineTuned(spec, outcome, store, killed)
 
 
-def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged_model(finetuned, tiny_llama):
+def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_adapter(finetuned, tiny_llama):
     outcome, killed, storage = finetuned.outcome, finetuned.killed, finetuned.store / "runs"
     # The adapters learned: validation loss fell every epoch, across the lost worker's restart,
     # which resumed from the epoch-1 checkpoint instead of starting over.
@@ -64,8 +64,8 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
     assert final["val_perplexity"] == pytest.approx(torch.tensor(final["val_loss"]).exp().item(), rel=1e-6)
     print(f"LoRA under ZeRO-3 on 2 workers: val_loss {' -> '.join(f'{x:.4f}' for x in losses)}")
 
-    # The bundle: merged weights and the adapter alone, as safetensors, JSON and text only; the
-    # consolidated ZeRO-3 partitions reproduce the engine's logits.
+    # The bundle: the adapter alone and its base pinned by content (no copy of the base), as
+    # safetensors, JSON and text only; the consolidated ZeRO-3 partitions reproduce the engine's logits.
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
 
@@ -73,12 +73,15 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
 
     bundle_dir = storage / "lora" / "bundle"
     files = {str(p.relative_to(bundle_dir)) for p in bundle_dir.rglob("*") if p.is_file()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", f"{ADAPTER_DIR}/adapter_model.safetensors"} <= files
+    assert {"tokenizer.json", f"{ADAPTER_DIR}/adapter_model.safetensors"} <= files and "config.json" not in files
+    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in files), files
     assert all(f.endswith((".safetensors", ".json", ".jinja", ".md")) for f in files), files
+    base = json.loads((bundle_dir / "model.json").read_text())["base"]
+    assert Path(base["path"]) == Path(tiny_llama).resolve() and len(base["sha256"]) == 64
     from flotilla.bundle import load_bundle
 
     assert load_bundle(bundle_dir).metrics["bundle_check_max_abs_diff"] < 1e-5
-    # The merged bundle is the adapted model: the adapter on the base gives the same logits and
+    # The loaded bundle is the adapted model: the adapter on the base gives the same logits and
     # generates the same tokens, greedy and sampled with the same seed.
     bundle = load_hf_bundle(bundle_dir)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), bundle_dir / ADAPTER_DIR).eval()
@@ -106,6 +109,18 @@ def test_lora_under_zero3_on_two_workers_learns_resumes_and_registers_the_merged
     prompt = "What is 3 times 4?"
     assert registered.generate(prompt, max_tokens=8, temperature=0, chat=True) == \
         bundle.generate(prompt, max_tokens=8, temperature=0, chat=True)
+    # The version is the adapter: MLflow shows its base and its size, a fraction of a merged copy's.
+    tags = client.get_model_version("instruct-lora", "1").tags
+    assert tags["flotilla.form"] == "adapter" and tags["flotilla.base_sha256"] == base["sha256"], tags
+    assert tags["flotilla.base"] == f"{tiny_llama} ({base['path']})", tags
+    merged = finetuned.store / "merged"
+    bundle.model.save_pretrained(merged)
+    bundle.tokenizer.save_pretrained(merged)
+    merged_bytes = sum(p.stat().st_size for p in merged.rglob("*") if p.is_file())
+    adapter_bytes = int(tags["flotilla.bundle_bytes"])
+    print(f"registered adapter version: {adapter_bytes} bytes (adapter weights {tags['flotilla.adapter_bytes']}); "
+          f"a merged copy: {merged_bytes} bytes ({100 * adapter_bytes / merged_bytes:.1f} %)")
+    assert adapter_bytes < merged_bytes * 0.2  # a 0.14M-parameter base: its tokenizer is most of the adapter's bundle
 
 
 def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llama):

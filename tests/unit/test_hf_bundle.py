@@ -14,15 +14,17 @@ from flotilla.errors import BundleError
 from flotilla.models._hf import build_hf_causal_lm
 
 
-def lora_spec(path):
+def lora_spec(path, merge=True):
     return {"kind": "hf_causal_lm", "pretrained": path, "adaptation": "lora",
-            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}}
+            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": None, "merge": merge}}
+
+SCHEMA = {"task": "lm", "vocab_size": 512, "context": 64, "row_format": "messages"}
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_llama, tmp_path_factory):
     """A LoRA model with non-zero adapters, and its bundle written the way the loop will: from a
-    fresh model loaded with the trained (consolidated) state dict."""
+    fresh model loaded with the trained (consolidated) state dict; merged (`model.lora.merge`)."""
     torch.manual_seed(0)
     model = build_hf_causal_lm(lora_spec(tiny_llama)).eval()
     with torch.no_grad():
@@ -267,6 +269,49 @@ def test_streams_decoded_together_get_each_token_as_it_is_decoded(trained):
     waiting.token_wait_s = 0.2
     with pytest.raises(TimeoutError, match="no token within 0.2 s"):
         list(waiting.pieces())
+
+
+def test_an_adapter_bundle_holds_the_adapter_and_a_pinned_base_and_loads_as_the_merged_one(trained, tiny_llama,
+                                                                                            tmp_path):
+    import shutil
+
+    from flotilla.bundle import is_adapter_bundle, lineage_tags, weights_file
+
+    model, merged = trained
+    # The default for LoRA: the adapter alone and a reference to its base, pinned by content.
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    spec = lora_spec(str(base), merge=False)
+    fresh = build_hf_causal_lm(spec)
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
+    bundle = write_hf_bundle(tmp_path / "adapter", fresh, spec, {**SCHEMA, "tokenizer": str(base)}, {})
+    files = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()}
+    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in files) and "config.json" not in files
+    assert {f"{ADAPTER_DIR}/adapter_model.safetensors", "generation_config.json", "tokenizer.json", "model.json"} <= files
+    assert is_adapter_bundle(bundle) and not is_adapter_bundle(merged)
+    assert weights_file(bundle) == bundle / ADAPTER_DIR / "adapter_model.safetensors"
+    size = sum((bundle / f).stat().st_size for f in files)
+    whole = sum(p.stat().st_size for p in merged.rglob("*") if p.is_file())
+    tags = lineage_tags(bundle)
+    assert tags["flotilla.form"] == "adapter" and tags["flotilla.bundle_bytes"] == str(size)
+    assert tags["flotilla.base"] == f"{base} ({base.resolve()})" and len(tags["flotilla.base_sha256"]) == 64
+    print(f"adapter bundle {size} bytes (adapter {tags['flotilla.adapter_bytes']}), merged bundle {whole} bytes")
+    assert size < whole / 2
+    # It loads as the merged bundle does: the same logits.
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    with torch.no_grad():
+        assert torch.allclose(load_hf_bundle(bundle).model(ids).logits, load_hf_bundle(merged).model(ids).logits,
+                              atol=1e-5)
+    # A base that changed under it, or is gone, is refused, naming where it must be and the way out.
+    weights = next(base.glob("*.safetensors"))
+    kept = weights.read_bytes()
+    weights.write_bytes(kept[:-4] + b"\x00\x00\x00\x00")
+    with pytest.raises(BundleError, match=rf"a LoRA adapter for the base model .* at {base.resolve()} .*: {base.resolve()} "
+                                          r"has SHA-256 .*model.lora.merge=true"):
+        load_hf_bundle(bundle)
+    shutil.rmtree(base)
+    with pytest.raises(BundleError, match="it is not on this machine. Put that model at"):
+        load_hf_bundle(bundle)
 
 
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):

@@ -1,14 +1,19 @@
 """The inference bundle of a fine-tuned Hugging Face causal LM (`model.kind: hf_causal_lm`).
 
-A directory that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load
-as it is, offline, plus Flotilla's own JSON:
+Two forms. A whole model, which `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load as it is, offline (full and frozen-layer fine-tunes, and
+LoRA with `model.lora.merge: true`):
     model.safetensors          the weights, LoRA merged into the base (sharded with an index
                                past `max_shard_size`, as transformers does)
     config.json, generation_config.json
     tokenizer.json, tokenizer_config.json, chat_template.jinja (whichever the tokenizer has)
-    adapter/                   LoRA runs only: the adapter alone, small (adapter_model.safetensors,
-                               adapter_config.json), for those who load it onto their own base
+    adapter/                   LoRA only: the adapter alone as well
     model.json, metrics.json   the model spec and data schema; final metrics and history
+Or, for LoRA by default, the adapter and a pinned reference to its base, megabytes instead of the
+base's gigabytes (`model.json`'s `base`: the base's directory, and the SHA-256 of its weights and
+config, checked when it loads):
+    adapter/                   adapter_model.safetensors, adapter_config.json (peft's own files)
+    generation_config.json, the tokenizer's files, model.json, metrics.json
 
 Nothing is pickled: weights are safetensors, the rest JSON or text. Loading runs no code from
 the bundle (`trust_remote_code` is never passed): a model whose config asks for its own code is
@@ -18,6 +23,7 @@ refused.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,8 +36,10 @@ from flotilla.data import DataSchema
 from flotilla.errors import BundleError
 
 ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
 MODEL_JSON, METRICS_JSON = "model.json", "metrics.json"
 HF_FILES = ("config.json", "generation_config.json", MODEL_JSON, METRICS_JSON)
+ADAPTER_FILES = ("generation_config.json", MODEL_JSON, METRICS_JSON, f"{ADAPTER_DIR}/adapter_config.json", ADAPTER_WEIGHTS)
 
 
 def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], schema: dict[str, Any] | None = None,
@@ -46,9 +54,15 @@ def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], sc
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {"model": model_spec, "schema": schema}
     if model.is_lora:
         model.hf.save_pretrained(out / ADAPTER_DIR)  # safetensors is peft's default
-    merged = merge_into_base(model)
+    adapter_only = model.is_lora and not (model_spec.get("lora") or {}).get("merge", False)
+    if adapter_only:
+        meta["base"] = pin_base(model_spec)
+        merged = model.base
+    else:
+        merged = merge_into_base(model)
     tokenizer = load_tokenizer(model_spec["pretrained"], model_spec.get("revision"),
                                bool(model_spec.get("trust_remote_code")))
     generation = merged.generation_config
@@ -57,10 +71,13 @@ def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], sc
         generation.eos_token_id = tokenizer.eos_token_id
     if generation.pad_token_id is None:
         generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # (transformers 5 writes safetensors only; 4.x took `safe_serialization=True` for the same.)
-    merged.save_pretrained(out, max_shard_size=max_shard_size)
+    if adapter_only:
+        generation.save_pretrained(out)
+    else:
+        # (transformers 5 writes safetensors only; 4.x took `safe_serialization=True` for the same.)
+        merged.save_pretrained(out, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
-    (out / MODEL_JSON).write_text(json.dumps({"model": model_spec, "schema": schema}, indent=1))
+    (out / MODEL_JSON).write_text(json.dumps(meta, indent=1))
     (out / METRICS_JSON).write_text(json.dumps(metrics or {}, indent=1, default=float))
     return out
 
@@ -297,24 +314,115 @@ class TextDecoder:
         return text[len(context):]
 
 
+# ------------------------------------------------------------------ the base of an adapter
+def base_sha256(directory: str | Path) -> str:
+    """The SHA-256 that pins a pretrained model's directory: of its config.json and each weights
+    file (`*.safetensors`, by name), which is what an adapter was trained on top of."""
+    import hashlib
+
+    from flotilla.bundle._torch import file_sha256
+
+    root = Path(directory)
+    files = sorted(root.glob("*.safetensors")) + [root / "config.json"]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}:{file_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
+def base_directory(model_spec: dict[str, Any]) -> Path | None:
+    """Where `model.pretrained` is on this machine: a local directory, a built-in model's (built
+    here if it is not yet), or a hub model's snapshot in this machine's cache; None if nowhere."""
+    from flotilla.models._hf_tiny import resolve_pretrained
+
+    source = str(model_spec.get("pretrained") or "")
+    local = Path(os.path.expanduser(resolve_pretrained(source))) if source else None
+    if local is not None and (local / "config.json").is_file():
+        return local.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, revision=model_spec.get("revision"), local_files_only=True))
+    except Exception:  # not a hub id, or not in this machine's cache
+        return None
+
+
+def pin_base(model_spec: dict[str, Any]) -> dict[str, Any]:
+    """What an adapter bundle records of its base: the spec's name for it, where it was, its hash."""
+    where = base_directory(model_spec)
+    if where is None:
+        raise BundleError(f"model.pretrained {model_spec.get('pretrained')!r} is not on this machine, so the adapter "
+                          "cannot be pinned to it; `--set model.lora.merge=true` writes a whole model instead")
+    return {"pretrained": model_spec.get("pretrained"), "revision": model_spec.get("revision"), "path": str(where),
+            "sha256": base_sha256(where)}
+
+
+def find_base(root: Path, base: dict[str, Any]) -> Path:
+    """The base an adapter bundle names, as it was when the adapter was trained: its recorded
+    directory, else where `pretrained` is on this machine; refused unless the hash matches."""
+    seen = []
+    for where in (Path(base["path"]), base_directory(base)):
+        if where is None or where in [w for w, _ in seen] or not (where / "config.json").is_file():
+            continue
+        digest = base_sha256(where)
+        if digest == base["sha256"]:
+            return where
+        seen.append((where, digest))
+    found = "; ".join(f"{w} has SHA-256 {d[:12]}" for w, d in seen) or "it is not on this machine"
+    raise BundleError(
+        f"{root} is a LoRA adapter for the base model {base['pretrained']!r} at {base['path']} (SHA-256 "
+        f"{base['sha256'][:12]}), which must be loaded with it: {found}. Put that model at {base['path']} on every "
+        "node that loads this version (storage every node sees), or train with `--set model.lora.merge=true` to "
+        "register a whole model")
+
+
+def lineage_tags(path: str | Path) -> dict[str, str]:
+    """What a registered version says of its form: the bundle's bytes, and for an adapter its base
+    (`flotilla.base`, `flotilla.base_sha256`) and the adapter's own bytes."""
+    root = Path(path)
+    tags = {"flotilla.bundle_bytes": str(sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))}
+    if is_adapter_bundle(root):
+        base = json.loads((root / MODEL_JSON).read_text())["base"]
+        tags.update({"flotilla.form": "adapter", "flotilla.base": f"{base['pretrained']} ({base['path']})",
+                     "flotilla.base_sha256": base["sha256"],
+                     "flotilla.adapter_bytes": str(sum(f.stat().st_size for f in (root / ADAPTER_DIR).rglob("*")
+                                                      if f.is_file()))})
+    return tags
+
+
+def is_adapter_bundle(path: str | Path) -> bool:
+    """Whether the bundle at `path` holds a LoRA adapter and a reference to its base (no base weights)."""
+    try:
+        return "base" in json.loads((Path(path) / MODEL_JSON).read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFBundle:
-    """The bundle at `path`: the merged model in `dtype` on `device`, its tokenizer, spec and metrics."""
+    """The bundle at `path`: the model in `dtype` on `device` (an adapter merged into its base, which
+    is found and checked against its hash), its tokenizer, spec and metrics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = Path(path)
-    missing = [name for name in HF_FILES if not (root / name).is_file()]
-    if not any(root.glob("*.safetensors")):
+    adapter = is_adapter_bundle(root)
+    missing = [name for name in (ADAPTER_FILES if adapter else HF_FILES) if not (root / name).is_file()]
+    if not adapter and not any(root.glob("*.safetensors")):
         missing.append("model.safetensors")
     if missing:
         raise BundleError(f"{root} is not a complete language-model bundle: missing {', '.join(missing)}")
-    config = json.loads((root / "config.json").read_text())
-    if config.get("auto_map"):
-        raise BundleError(f"{root / 'config.json'} names code of its own (auto_map: {sorted(config['auto_map'])}); "
-                          "serving loads only architectures installed with transformers")
-    model = AutoModelForCausalLM.from_pretrained(root, dtype=dtype, local_files_only=True, trust_remote_code=False,
-                                                 use_safetensors=True)
-    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     meta = json.loads((root / MODEL_JSON).read_text())
+    weights = find_base(root, meta["base"]) if adapter else root
+    config = json.loads((weights / "config.json").read_text())
+    if config.get("auto_map"):
+        raise BundleError(f"{weights / 'config.json'} names code of its own (auto_map: {sorted(config['auto_map'])}); "
+                          "serving loads only architectures installed with transformers")
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True, trust_remote_code=False,
+                                                 use_safetensors=True)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, root / ADAPTER_DIR, is_trainable=False).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
                     metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
@@ -330,7 +438,10 @@ def is_hf_bundle(path: str | Path) -> bool:
 
 
 def weights_file(path: str | Path) -> Path:
-    """The file whose hash names the weights: model.safetensors, or the index of its shards."""
+    """The file whose hash names the weights: model.safetensors, or the index of its shards; an
+    adapter bundle's adapter."""
     root = Path(path)
+    if is_adapter_bundle(root):
+        return root / ADAPTER_WEIGHTS
     single = root / "model.safetensors"
     return single if single.is_file() else root / "model.safetensors.index.json"

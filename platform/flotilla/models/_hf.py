@@ -37,7 +37,7 @@ DEFAULT_TARGET_MODULES = {
     "gpt2": ["c_attn"],
     "gpt_neox": ["query_key_value"],
 }
-LORA_DEFAULTS = {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": None}
+LORA_DEFAULTS = {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": None, "merge": False}
 
 
 class HFCausalLM(nn.Module):

@@ -191,6 +191,12 @@ class LoraSpec(_Section):
         "projections of Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX models; every linear layer but the output head "
         "of other architectures."
     )
+    merge: bool = Field(
+        False, description="What the bundle (and so the registered version) holds: `false`, the adapter alone (megabytes) "
+        "and a pinned reference to its base (the base's directory and the SHA-256 of its weights, checked when it "
+        "loads: the base must be on each node that serves it); `true`, the adapter merged into a whole copy of the "
+        "base, which loads anywhere without it."
+    )
 
 
 class HFCausalLMSpec(_Section):

@@ -35,7 +35,7 @@ import flotilla
 from flotilla._epochs import read_new
 from flotilla.redact import redact
 from flotilla.spec import RunSpec, spec_to_yaml
-from flotilla.bundle import file_sha256, load_bundle, weights_file
+from flotilla.bundle import file_sha256, lineage_tags, load_bundle, weights_file
 from flotilla.data import as_category
 from flotilla.data._columns import as_numbers
 from flotilla.errors import BundleError, NotFiniteError, TrackingError, summarize
@@ -428,7 +428,8 @@ class Tracker:
                 name,
                 source=model_uri,
                 run_id=self.run_id,
-                tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": fingerprint, WEIGHTS_TAG: weights},
+                tags={RUN_NAME_TAG: self.run_name, "flotilla.data_fingerprint": fingerprint, WEIGHTS_TAG: weights,
+                      **lineage_tags(bundle_dir)},
                 model_id=model_uri.removeprefix("models:/"),
             ).version)
         set_alias(self.client, name, CANDIDATE, version)
