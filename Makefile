@@ -15,7 +15,7 @@ TEST_LANES     ?= 2
 # `make docs-serve` listens here (Serve's endpoints take 8000).
 DOCS_ADDR      ?= 127.0.0.1:8001
 
-.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat benchmark-elastic benchmark-comm cluster-local docs docs-serve clean
+.PHONY: help install demo test test-unit test-services benchmark benchmark-tune benchmark-serve benchmark-predict benchmark-generate benchmark-runtimes benchmark-finetune benchmark-chat benchmark-adapters benchmark-elastic benchmark-comm cluster-local docs docs-serve clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ benchmark-finetune: $(VENV)/.installed ## LoRA fine-tuning tokens/s against a ba
 
 benchmark-chat: $(VENV)/.installed ## chat streams decoded together against a thread per stream
 	$(PY) benchmarks/chat_batching.py
+
+benchmark-adapters: $(VENV)/.installed ## 8 LoRA adapters on one base: memory, and tokens/s spread over them against one
+	$(PY) benchmarks/adapters.py
 
 benchmark-elastic: $(VENV)/.installed ## elastic runs on hosts of one machine: a kill and a drain against an undisturbed run (root)
 	$(PY) benchmarks/elastic.py

@@ -320,6 +320,113 @@ def _one_base_url_routes_by_model(endpoint, finetuned, tiny_llama, mlflow_client
     assert [m.id for m in client.models.list()] == ["instruct-lora"]
 
 
+def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha256: str | None = None) -> None:
+    """instruct-lora v1's model with its LoRA updates scaled by `scale` (a different adapter on the
+    same base, no training), registered as `name` v1, champion; optionally claiming another base."""
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+    from safetensors.torch import load_file, save_file
+
+    client = MlflowClient(store_uri(store))
+    v1 = client.get_model_version("instruct-lora", "1")
+    model = Path(download_artifacts(artifact_uri=client.get_model_version_download_uri("instruct-lora", "1"),
+                                    dst_path=str(tmp / name), tracking_uri=store_uri(store)))
+    (weights,) = model.rglob("adapter_model.safetensors")
+    save_file({k: v * scale if "lora_B" in k else v for k, v in load_file(weights).items()}, str(weights))
+    tags = dict(v1.tags)
+    if base_sha256 is not None:
+        (meta_file,) = weights.parent.parent.glob("model.json")
+        meta = json.loads(meta_file.read_text())
+        meta["base"]["sha256"] = tags["flotilla.base_sha256"] = base_sha256
+        meta_file.write_text(json.dumps(meta))
+    client.create_registered_model(name)
+    client.create_model_version(name, source=str(model), tags=tags)
+    client.set_registered_model_alias(name, "champion", "1")
+
+
+def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp_path):
+    """`serve.adapters.max_per_replica`: one replica holds instruct-lora's base once and adapters of
+    other registered models trained on it, loaded on first use (one registered after the deploy
+    too) and evicted least recently used; requests for different adapters that arrive together
+    decode together, each with exactly the tokens it gets alone; all behind the one /v1 base URL."""
+    from openai import NotFoundError, OpenAI
+    from ray import serve
+
+    from flotilla.serve import deploy, plan_deployment
+
+    store = finetuned.store
+    _register_adapter(store, "adapter-b", 3.0, tmp_path)
+    _register_adapter(store, "adapter-c", -2.0, tmp_path)
+    spec = instruct_spec(store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
+                         "serve.autoscaling.max_replicas=1", "serve.adapters.max_per_replica=2")
+    endpoint = deploy(plan_deployment(spec))
+    try:
+        port = endpoint.plan.serve.port
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        _register_adapter(store, "adapter-d", 0.5, tmp_path)  # after the deploy: served without a redeploy
+        models = ["instruct-lora", "adapter-b", "adapter-c", "adapter-d"]
+        listed = wait_for(lambda: sorted(m.id for m in client.models.list()) == sorted(models) or None, 30,
+                          "every adapter of the base listed at /v1/models")
+        assert listed
+        question = [{"role": "user", "content": "What is 12 plus 7?"}]
+
+        def ask(model_seed):
+            model, seed = model_seed
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=question, max_tokens=8, temperature=seed % 2, seed=seed)
+            answer = raw.parse()
+            assert answer.model == model
+            return answer.choices[0].message.content, raw.headers.get("X-Model-Name") or "instruct-lora"
+
+        asks = [(m, seed) for m in models for seed in (0, 1, 3)]
+        alone = [ask(a) for a in asks]
+        assert [who for _, who in alone] == [m for m, _ in asks]
+        # The adapters differ (else routing could not be told from their answers).
+        assert len({text for (text, _), (m, seed) in zip(alone, asks) if seed == 1}) >= 3, alone
+        with ThreadPoolExecutor(len(asks)) as pool:
+            assert list(pool.map(ask, asks)) == alone  # four models on a replica that holds three: some reload
+            # Three that fit, loaded: requests for them that arrive together decode in one batch.
+            fit = [a for a in asks if a[0] != "adapter-d"]
+            for model in ("adapter-b", "adapter-c"):
+                ask((model, 0))
+            for _ in range(3):
+                assert list(pool.map(ask, fit)) == [alone[asks.index(a)] for a in fit]
+
+        def mixed():  # a batch held requests for more than one adapter
+            return metric_sum(metrics_text(), "ray_flotilla_batch_size_count", model="instruct-lora", version="mixed") > 0
+
+        try:
+            wait_for(mixed, 60, "a batch of several adapters in Ray's Prometheus export", interval_s=3)
+        except AssertionError:
+            print("\n".join(line for line in metrics_text().splitlines() if "flotilla_batch_size_count" in line))
+            raise
+        # At most 2 adapters besides its own version on the replica: the least recently used left.
+        about = requests.get(endpoint.url + "/", timeout=30).json()
+        assert about["adapters"]["max_per_replica"] == 2 and len(about["adapters"]["loaded"]) <= 2, about
+        assert about["adapters"]["base"]["sha256"] == json.loads(
+            (store / "runs" / "lora" / "bundle" / "model.json").read_text())["base"]["sha256"]
+        for model in ("adapter-b", "adapter-c", "adapter-d", "adapter-b"):
+            assert ask((model, 0)) == alone[asks.index((model, 0))]
+        about = requests.get(endpoint.url + "/", timeout=30).json()
+        assert sorted(about["adapters"]["loaded"]) == ["adapter-b", "adapter-d"], about
+        # A version by alias or number goes to the same replica; what is not there is refused.
+        assert ask(("adapter-c/1", 0))[0] == alone[asks.index(("adapter-c", 0))][0]
+        with pytest.raises(NotFoundError, match="The model `adapter-x` does not exist"):
+            client.chat.completions.create(model="adapter-x", messages=question)
+        r = requests.post(endpoint.url + "/v1/chat/completions", json={"model": "adapter-x@champion", "messages": question},
+                          timeout=60)
+        assert r.status_code == 404 and "no registered model, alias or version" in r.json()["error"]["message"], r.text
+        _register_adapter(store, "elsewhere", 1.0, tmp_path, base_sha256="0" * 64)  # another base: not listed
+        with pytest.raises(NotFoundError, match="The model `elsewhere` does not exist"):
+            client.chat.completions.create(model="elsewhere", messages=question)
+        r = requests.post(endpoint.url + "/v1/chat/completions", json={"model": "elsewhere", "messages": question},
+                          timeout=60)
+        assert r.status_code == 422 and "is an adapter for the base" in r.json()["error"]["message"], r.text
+        assert "this replica holds" in r.json()["error"]["message"], r.text
+    finally:
+        serve.shutdown()
+
+
 CHAT_FUZZ_CASES = 400  # per route: 800 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
 
 

@@ -314,6 +314,47 @@ def test_an_adapter_bundle_holds_the_adapter_and_a_pinned_base_and_loads_as_the_
         load_hf_bundle(bundle)
 
 
+def test_adapters_on_one_base_decode_together_each_as_alone_and_leave_when_unused(trained, tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from flotilla.bundle import AdapterSet
+
+    model, merged = trained
+    spec = lora_spec(tiny_llama, merge=False)
+    fresh = build_hf_causal_lm(spec)
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
+    first = write_hf_bundle(tmp_path / "a", fresh, spec, {**SCHEMA, "tokenizer": tiny_llama}, {})
+    import shutil
+
+    shutil.copytree(first, tmp_path / "b")
+    weights = tmp_path / "b" / ADAPTER_DIR / "adapter_model.safetensors"
+    save_file({k: -2 * v if "lora_B" in k else v for k, v in load_file(weights).items()}, str(weights))
+    adapters = AdapterSet(first, "a")
+    a, b = adapters.first, adapters.add(tmp_path / "b", "b")
+    assert a.model is b.model  # one base in memory
+    prompt = a.encode("def main():", chat=True)
+    settings = [dict(max_tokens=12, temperature=0.0), dict(max_tokens=12, temperature=1.0, seed=3)]
+    alone = {(bundle.adapter, i): list(bundle.generate_ids(prompt, **s))
+             for bundle in (a, b) for i, s in enumerate(settings)}
+    assert alone[("a", 1)] != alone[("b", 1)]
+    # The adapter on the shared base generates what the merged bundle does.
+    assert alone[("a", 0)] == list(load_hf_bundle(merged).generate_ids(prompt, **settings[0]))
+    rows = [(bundle, i) for i in range(2) for bundle in (a, b, a)]
+    together = a.generate_ids_batch([prompt] * len(rows), [{**settings[i], "adapter": bundle.adapter}
+                                                           for bundle, i in rows])
+    assert together == [alone[(bundle.adapter, i)] for bundle, i in rows]
+    # Dropped while held: it stays until released; the base keeps at least one adapter.
+    assert adapters.hold("b")
+    adapters.drop("b")
+    assert "b" in adapters.names and not adapters.hold("b")
+    adapters.release("b")
+    assert adapters.names == {"a"}
+    adapters.drop("a")
+    assert adapters.names == {"a"}
+    with pytest.raises(BundleError, match="holds a whole model, not a LoRA adapter"):
+        adapters.add(merged, "m")
+
+
 def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_path):
     _, bundle = trained
     with pytest.raises(BundleError, match=r"not a complete language-model bundle: missing config.json, "

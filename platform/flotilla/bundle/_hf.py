@@ -93,6 +93,8 @@ class HFBundle:
     model_spec: dict[str, Any]
     metrics: dict[str, Any]
     schema: Any = None  # flotilla.data.DataSchema (task `lm`, its token windows)
+    adapter: str | None = None  # on a shared base (`AdapterSet`): the adapter this bundle generates with
+    lock: Any = None  # on a shared base: held around each forward pass (peft's per-batch adapter hooks)
 
     @property
     def generation_config(self):
@@ -149,6 +151,15 @@ class HFBundle:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
+    def _forward(self, adapters: list[str | None] | None = None, **inputs):
+        """One forward pass; on a shared base each row with its own adapter (peft's mixed batches:
+        `adapter_names`, `__base__` for none), one pass at a time."""
+        if self.lock is None:
+            return self.model(**inputs)
+        names = [a or "__base__" for a in adapters or [self.adapter] * inputs["input_ids"].shape[0]]
+        with self.lock:
+            return self.model(**inputs, adapter_names=names)
+
     @torch.inference_mode()
     def generate_ids(self, ids: list[int], max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
                      seed: int | None = None, top_p: float = 1.0,
@@ -160,13 +171,13 @@ class HFBundle:
         (-100 bans a token)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stops, device, bias = self.stop_ids(), self.device, logit_bias_tensors(logit_bias)
-        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
+        out = self._forward(input_ids=torch.tensor([ids], device=device), use_cache=True)
         for _ in range(max_tokens):
             token = sample_next(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
             if token in stops:
                 return
             yield token
-            out = self.model(input_ids=torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
+            out = self._forward(input_ids=torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
 
     @torch.inference_mode()
     def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
@@ -175,7 +186,8 @@ class HFBundle:
                            on_error: Callable[[int, Exception], None] | None = None) -> list[list[int]]:
         """Several prompts decoded together, one forward pass per token for all of them: each row
         the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
-        `temperature`, `top_p`, `seed`, `logit_bias`). The prompts are left-padded, masked, and
+        `temperature`, `top_p`, `seed`, `logit_bias`; on a shared base, `adapter`: each row's own,
+        in one pass). The prompts are left-padded, masked, and
         each row's positions start at its first real token. A row ends at an end-of-text token,
         after its `max_tokens`, once its event in `ended` (a `threading.Event`) is set, or after a
         token for which `on_token(row, token)` answers true (a stop string has appeared); then
@@ -215,7 +227,8 @@ class HFBundle:
 
         generators, biases = zip(*(sampler(i, s) for i, s in enumerate(settings)))
 
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+        adapters = [s.get("adapter") or self.adapter for s in settings] if self.lock is not None else None
+        out = self._forward(adapters, input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
         for step in range(max(int(s["max_tokens"]) for s in settings)):
             logits = out.logits[:, -1].float().cpu()
             for i, s in enumerate(settings):
@@ -240,8 +253,8 @@ class HFBundle:
             last = torch.tensor([[ids[-1] if ids else pad] for ids in out_ids], device=device)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, cache=out.cache,
-                             use_cache=True)
+            out = self._forward(adapters, input_ids=last, attention_mask=mask, position_ids=positions, cache=out.cache,
+                                use_cache=True)
         for row in range(len(prompts)):  # (rows that asked for no tokens at all)
             end(row)
         if errors:
@@ -398,6 +411,106 @@ def is_adapter_bundle(path: str | Path) -> bool:
         return False
 
 
+class AdapterSet:
+    """One base model on one device and the LoRA adapters loaded onto it (unmerged), each served as
+    an `HFBundle` of its own that shares the base's weights: requests for different adapters decode
+    together in one forward pass per token, each row through its own adapter (peft's mixed-adapter
+    batches). Adapters are added and dropped while others generate; forward passes and changes take
+    turns on one lock (peft applies a batch's adapters through hooks on the shared layers)."""
+
+    def __init__(self, first: str | Path, name: str, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        import threading
+
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        root = Path(first)
+        meta = self._adapter_meta(root)
+        self.base = meta["base"]
+        where = find_base(root, self.base)
+        _refuse_own_code(where)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True,
+                                                     trust_remote_code=False, use_safetensors=True).to(device)
+        self.model = PeftModel.from_pretrained(model, root / ADAPTER_DIR, adapter_name=name, is_trainable=False).eval()
+        self.lock = threading.RLock()
+        self.names = {name}
+        self._in_use: dict[str, int] = {}
+        self._dropping: set[str] = set()
+        self.first = self._view(root, name, meta)
+
+    @staticmethod
+    def _adapter_meta(root: Path) -> dict[str, Any]:
+        if not is_adapter_bundle(root):
+            raise BundleError(f"{root} holds a whole model, not a LoRA adapter on a pinned base; a replica that serves "
+                              "adapters on one base (`serve.adapters.max_per_replica`) loads adapter versions only "
+                              "(trained with `model.lora.merge: false`, the default)")
+        missing = [name for name in ADAPTER_FILES if not (root / name).is_file()]
+        if missing:
+            raise BundleError(f"{root} is not a complete adapter bundle: missing {', '.join(missing)}")
+        return json.loads((root / MODEL_JSON).read_text())
+
+    def _view(self, root: Path, name: str, meta: dict[str, Any]) -> HFBundle:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
+        schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
+        return HFBundle(path=root, model=self.model, tokenizer=tokenizer, model_spec=meta.get("model", {}),
+                        metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema, adapter=name,
+                        lock=self.lock)
+
+    def add(self, path: str | Path, name: str) -> HFBundle:
+        """The adapter bundle at `path` loaded onto the base as `name` (its files are read now)."""
+        root = Path(path)
+        meta = self._adapter_meta(root)
+        if meta["base"]["sha256"] != self.base["sha256"]:
+            raise BundleError(f"{root} is an adapter for the base {meta['base']['pretrained']!r} (SHA-256 "
+                              f"{meta['base']['sha256'][:12]}); this replica holds {self.base['pretrained']!r} "
+                              f"(SHA-256 {self.base['sha256'][:12]})")
+        with self.lock:
+            self.model.load_adapter(root / ADAPTER_DIR, adapter_name=name, is_trainable=False)
+            self.names.add(name)
+        return self._view(root, name, meta)
+
+    def hold(self, name: str) -> bool:
+        """Keep adapter `name` loaded until as many `release`s (a request that generates with it);
+        False when it is gone or leaving (evicted meanwhile: load it again)."""
+        with self.lock:
+            if name not in self.names or name in self._dropping:
+                return False
+            self._in_use[name] = self._in_use.get(name, 0) + 1
+            return True
+
+    def release(self, name: str) -> None:
+        with self.lock:
+            self._in_use[name] -= 1
+            self._drop_unused()
+
+    def drop(self, name: str) -> None:
+        """Unload adapter `name` (at once, or when the last batch using it ends)."""
+        with self.lock:
+            self._dropping.add(name)
+            self._drop_unused()
+
+    def _drop_unused(self) -> None:
+        for n in [n for n in self._dropping if not self._in_use.get(n) and n in self.names]:
+            if len(self.names) > 1:  # peft keeps at least one adapter on the model
+                self.model.delete_adapter(n)
+                self.names.discard(n)
+                self._dropping.discard(n)
+
+    def adapter_bytes(self) -> int:
+        """Bytes of the adapters' weights held now."""
+        return sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if "lora_" in n)
+
+
+def _refuse_own_code(weights: Path) -> None:
+    config = json.loads((weights / "config.json").read_text())
+    if config.get("auto_map"):
+        raise BundleError(f"{weights / 'config.json'} names code of its own (auto_map: {sorted(config['auto_map'])}); "
+                          "serving loads only architectures installed with transformers")
+
+
 def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFBundle:
     """The bundle at `path`: the model in `dtype` on `device` (an adapter merged into its base, which
     is found and checked against its hash), its tokenizer, spec and metrics."""
@@ -412,10 +525,7 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
         raise BundleError(f"{root} is not a complete language-model bundle: missing {', '.join(missing)}")
     meta = json.loads((root / MODEL_JSON).read_text())
     weights = find_base(root, meta["base"]) if adapter else root
-    config = json.loads((weights / "config.json").read_text())
-    if config.get("auto_map"):
-        raise BundleError(f"{weights / 'config.json'} names code of its own (auto_map: {sorted(config['auto_map'])}); "
-                          "serving loads only architectures installed with transformers")
+    _refuse_own_code(weights)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True, trust_remote_code=False,
                                                  use_safetensors=True)
     if adapter:

@@ -18,19 +18,26 @@ Requests that arrive together decode together: whole-text ones (`Chat._forward`)
 
 # No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
 import asyncio
+import contextvars
+import itertools
 import json
 import queue
+import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from ray import serve
 
-from flotilla.bundle import TextDecoder
+from flotilla.bundle import AdapterSet, TextDecoder
+from flotilla.errors import BundleError, SpecError, TrackingError
+from flotilla.redact import redact
 from flotilla.serve._openai import (
     AssistantMessage,
     ChatChoice,
@@ -47,7 +54,11 @@ from flotilla.serve._openai import (
 )
 from flotilla.serve._replica_config import ReplicaConfig
 from flotilla.serve._schemas import ErrorField
-from flotilla.serve._server import ApiError, _api, _body_schema, _by_version, _ModelServer, logger
+from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, ApiError, _api, _body_schema, _ModelServer, logger
+from flotilla.track import bundle_in_model, download_model, parse_model_reference, registry_client, resolve_reference
+
+MODEL_HEADER = "X-Model-Name"  # which registered model answered (an adapter's, on a replica that holds several)
+LISTED_TTL_S = 5.0  # how long a replica trusts its list of the registry's adapters for its base
 
 
 
@@ -183,7 +194,8 @@ def _decode_batch(bundle, generations: list[_Generation], on_token, on_end=None,
         generations[row].error = error
 
     return bundle.generate_ids_batch([g.ids for g in generations],
-                                     [{"max_tokens": g.max_tokens, **g.settings} for g in generations],
+                                     [{"max_tokens": g.max_tokens, **g.settings, "adapter": g.bundle.adapter}
+                                      for g in generations],
                                      [g.cancel for g in generations], on_token, on_end, on_error or keep)
 
 
@@ -255,6 +267,32 @@ def _finish(generation: _Generation) -> Iterator[str]:
     yield generation.finish
 
 
+def _by_model(items: list[tuple[str, Any, "_Generation"]]) -> dict[int, list[int]]:
+    """The positions of a batch's items by the model they run on: a version's own, or the base that
+    a replica's adapters share (those decode together, each row with its adapter)."""
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(id(item[1].model), []).append(i)
+    return groups
+
+
+class _LoadedAdapter:
+    """An adapter `Chat.get_adapter` loaded for a model id: its bundle (on the replica's base) and
+    version. Serve's multiplexing calls `__del__` when it evicts it; the adapter then leaves the
+    base once no batch decodes with it."""
+
+    def __init__(self, model_id: str, name: str, version: str, bundle, adapters: AdapterSet, loaded: dict):
+        self.model_id, self.name, self.version, self.bundle = model_id, name, version, bundle
+        self._adapters, self._loaded, self._dropped = adapters, loaded, False
+        loaded[model_id] = self
+
+    def __del__(self):
+        if not self._dropped:
+            self._dropped = True
+            self._loaded.pop(self.model_id, None)
+            self._adapters.drop(self.bundle.adapter)
+
+
 # Serve serializes the deployment class when it is decorated: everything its methods use is above.
 @serve.deployment
 @serve.ingress(chat_api)
@@ -268,9 +306,27 @@ class Chat(_ModelServer):
         self._streaming: set[asyncio.Task] = set()  # batches of streams being decoded (held: the loop keeps weak refs)
         # Threads of their own for decoding streams: the default pool's threads wait for the tokens.
         self._decoders = ThreadPoolExecutor(max_workers=64, thread_name_prefix="flotilla-streams")
+        # With serve.adapters.max_per_replica: the versions and the other models' adapters on one base.
+        self.adapters: AdapterSet | None = None
+        self._opening = threading.Lock()
+        self._loads = itertools.count()
+        self._loaded: dict[str, _LoadedAdapter] = {}  # model id -> adapter, as Serve's multiplexing holds them
+        self._listed: tuple[float, list[str]] = (-1e9, [])
+        if self.limits.max_adapters:
+            async def get_adapter(model_id: str) -> _LoadedAdapter:
+                return await asyncio.to_thread(self._load_adapter, model_id)
+
+            # Serve's model multiplexing: at most K loaded, least recently used evicted, and requests
+            # (`multiplexed_model_id`, which the OpenAI router sets) sent to a replica that holds theirs.
+            self.get_adapter = serve.multiplexed(max_num_models_per_replica=self.limits.max_adapters)(get_adapter)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        before = dict(self.bundles)
         await super().reconfigure(user_config)
+        if self.adapters is not None:  # versions the new split no longer serves leave the base
+            for version, bundle in before.items():
+                if self.bundles.get(version) is not bundle:
+                    self.adapters.drop(bundle.adapter)
         config = ReplicaConfig.model_validate(user_config)
         self._stream_together.set_max_batch_size(config.max_batch_size)
         self._stream_together.set_batch_wait_timeout_s(config.generate_wait_s)
@@ -278,12 +334,74 @@ class Chat(_ModelServer):
     def warm_up(self, bundle, rows: int) -> None:
         list(bundle.generate_ids(bundle.encode("Hi"), max_tokens=1, temperature=0.0))
 
+    # ------------------------------------------------------------------ adapters on one base
+    def _load_and_warm(self, version: str, config: ReplicaConfig):
+        if not self.limits.max_adapters:
+            return super()._load_and_warm(version, config)
+        bundle = self._onto_base(self.model_name, version)
+        self.warm_up(bundle, config.max_batch_size)
+        return bundle
+
+    def _onto_base(self, name: str, version: str):
+        """Registered `name` version `version`, an adapter, loaded onto this replica's base (the first
+        one loaded brings the base)."""
+        client = registry_client(self.tracking_uri, check=False)
+        key = f"{name}/{version}#{next(self._loads)}"  # a load's own name: an evicted copy may still decode
+        with tempfile.TemporaryDirectory(prefix="flotilla-adapter-") as tmp:
+            root = bundle_in_model(download_model(client, name, version, Path(tmp)), f"{name} v{version}")
+            with self._opening:
+                if self.adapters is None:
+                    self.adapters = AdapterSet(root, key, device=self.device)
+                    return self.adapters.first
+            return self.adapters.add(root, key)
+
+    def _load_adapter(self, model_id: str) -> _LoadedAdapter:
+        """What `get_adapter` loads for a request's `model`: `NAME` (its champion), `NAME@ALIAS` or
+        `NAME/VERSION` of the registry, an adapter for this replica's base."""
+        client = registry_client(self.tracking_uri, check=False)
+        text = model_id if ("@" in model_id or "/" in model_id) else f"{model_id}@champion"
+        try:
+            name, version = resolve_reference(client, parse_model_reference(text, paths=False, command="model"), "model")
+        except (SpecError, TrackingError) as e:
+            logger.info("model %r: %s", model_id, redact(str(e)))
+            raise ApiError(404, f"The model `{model_id}` does not exist here: no registered model, alias or version "
+                                f"of that name (a model is NAME, NAME@ALIAS or NAME/VERSION)") from None
+        try:
+            bundle = self._onto_base(name, version)
+        except BundleError as e:
+            raise ApiError(422, f"The model `{model_id}` cannot be served by {self.model_name}'s replicas: "
+                                f"{redact(str(e))}") from None
+        self.warm_up(bundle, 1)
+        return _LoadedAdapter(model_id, name, version, bundle, self.adapters, self._loaded)
+
+    async def _same_base(self) -> list[str]:
+        """Registered models with a version trained on this replica's base (`flotilla.base_sha256`),
+        asked again every LISTED_TTL_S: an adapter registered after the deploy is listed too."""
+        at, names = self._listed
+        if self.adapters is None or time.monotonic() - at < LISTED_TTL_S:
+            return names
+
+        def ask() -> list[str]:
+            client = registry_client(self.tracking_uri, check=False)
+            versions = client.search_model_versions(
+                f"tags.`flotilla.base_sha256` = '{self.adapters.base['sha256']}'", max_results=10_000)
+            return sorted({v.name for v in versions})
+
+        names = await asyncio.to_thread(ask)
+        self._listed = (time.monotonic(), names)
+        return names
+
     def error_response(self, error: ApiError) -> Response:
         return openai_response(error)
 
-    def served_models(self) -> list[str]:
-        """The `model` names this app answers for (the OpenAI router's directory, `_router`)."""
-        return [self.model_name]
+    async def served_models(self) -> list[dict[str, Any]]:
+        """The `model` names this app answers for (the OpenAI router's directory, `_router`): its
+        own, and with adapters on one base every registered model trained on that base
+        (`multiplexed`: the router sends those to a replica that holds the adapter)."""
+        own = [{"id": self.model_name, "multiplexed": False}]
+        if not self.limits.max_adapters:
+            return own
+        return own + [{"id": name, "multiplexed": True} for name in await self._same_base() if name != self.model_name]
 
     async def routed(self, path: str, body: bytes, headers: list[tuple[str, str]]):
         """A request the OpenAI router (`flotilla.serve._router`) forwards through this app's handle,
@@ -306,7 +424,12 @@ class Chat(_ModelServer):
                   "is `GET /v1/models/NAME`)")
     def describe(self) -> dict[str, Any]:
         # Serve routes by the longest prefix, so the OpenAI router's GET /v1/models/NAME lands here.
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flotilla", **self.info()}
+        about = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flotilla", **self.info()}
+        if self.limits.max_adapters:
+            about["adapters"] = {"max_per_replica": self.limits.max_adapters,
+                                 "base": self.adapters.base if self.adapters else None,
+                                 "loaded": sorted(self._loaded)}  # (this replica's)
+        return about
 
     @chat_api.get("/v1/models", summary="The served model, as OpenAI lists models")
     def models(self) -> dict[str, Any]:
@@ -325,32 +448,52 @@ class Chat(_ModelServer):
 
     async def _complete(self, request: Request, schema, chat: bool):
         body = await self.read_body(request, schema)
-        if body.model != self.model_name:
+        held = None
+        if body.model == self.model_name:
+            version = self.choose(request)
+            bundle = self.bundles[version]
+            headers = self.headers(version, bundle)
+        elif self.limits.max_adapters:  # another registered model's adapter, on this replica's base
+            for _ in range(3):
+                loaded = await self.get_adapter(body.model)
+                if self.adapters.hold(loaded.bundle.adapter):  # (until this request's generation is gone)
+                    break
+            else:  # evicted each time before it could be used: as many other adapters as requests
+                raise ApiError(503, f"{self.model_name}'s replica is switching adapters faster than it can use them "
+                                    "(serve.adapters.max_per_replica); retry", headers={"Retry-After": "1"})
+            held = loaded.bundle.adapter
+            version, bundle = f"{loaded.name}/{loaded.version}", loaded.bundle
+            headers = {VERSION_HEADER: loaded.version, RUNTIME_HEADER: bundle.runtime, MODEL_HEADER: loaded.name}
+        else:
             raise ApiError(404, f"model {body.model!r} is not served here; this endpoint serves {self.model_name!r}")
-        version = self.choose(request)
-        bundle = self.bundles[version]
-        ids = self._prompt_ids(bundle, body, chat)
-        max_tokens = self._token_limit(bundle, body, len(ids))
-        generation = _Generation(bundle, ids, max_tokens, body.stop,
-                                 temperature=body.temperature if body.temperature is not None else 1.0,
-                                 top_p=body.top_p if body.top_p is not None else 1.0, seed=body.seed,
-                                 logit_bias=self._biases(bundle, body))
-        headers = self.headers(version, bundle)
+        try:
+            ids = self._prompt_ids(bundle, body, chat)
+            max_tokens = self._token_limit(bundle, body, len(ids))
+            generation = _Generation(bundle, ids, max_tokens, body.stop,
+                                     temperature=body.temperature if body.temperature is not None else 1.0,
+                                     top_p=body.top_p if body.top_p is not None else 1.0, seed=body.seed,
+                                     logit_bias=self._biases(bundle, body))
+        except BaseException:
+            if held is not None:
+                self.adapters.release(held)
+            raise
+        if held is not None:  # the adapter stays loaded while anything still holds this generation
+            weakref.finalize(generation, self.adapters.release, held)
         if body.stream:
             generation.feed = queue.SimpleQueue()  # decoded with the streams that arrive with it (`_send`)
             stream = chat_stream if chat else completion_stream
-            events = stream(self.model_name, generation.pieces(), _finish(generation),
+            events = stream(body.model, generation.pieces(), _finish(generation),
                             generation.usage if body.include_usage else None)
             return version, StreamingResponse(self._send(events, generation, version), media_type="text/event-stream",
                                               headers=headers)
         text = await self.with_timeout(self._whole(generation, version), "generation")
         rid, created = new_id("chatcmpl" if chat else "cmpl")
         if chat:
-            answer = ChatCompletionResponse(id=rid, created=created, model=self.model_name, usage=generation.usage(),
+            answer = ChatCompletionResponse(id=rid, created=created, model=body.model, usage=generation.usage(),
                                             choices=[ChatChoice(message=AssistantMessage(content=text),
                                                                 finish_reason=generation.finish)])
         else:
-            answer = CompletionResponse(id=rid, created=created, model=self.model_name, usage=generation.usage(),
+            answer = CompletionResponse(id=rid, created=created, model=body.model, usage=generation.usage(),
                                         choices=[CompletionChoice(text=text, finish_reason=generation.finish)])
         return version, JSONResponse(answer.model_dump(), headers=headers)
 
@@ -410,7 +553,7 @@ class Chat(_ModelServer):
         timeout (504) or a client that goes away ends its generation after the current token."""
         start = time.perf_counter()
         try:
-            text = await self._forward((version, generation.bundle, generation))
+            text = await self._unsplit(self._forward((version, generation.bundle, generation)))
             if isinstance(text, Exception):  # its own row failed; its batch-mates have their texts
                 logger.error("generation of %s v%s failed", self.model_name, version, exc_info=text)
                 raise ApiError(500, f"generation failed ({type(text).__name__}); see the replica log")
@@ -427,13 +570,14 @@ class Chat(_ModelServer):
         others generate starts at once. Each request gets the text it gets alone: its own sampling
         and seed, its decoding ended by its own stop strings. Streams batch apart (`_stream_together`)."""
         results: list[str | Exception] = [""] * len(items)
-        for version, idx in _by_version(items).items():
+        for idx in _by_model(items).values():
             bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
+
             if len(generations) > 1:
                 texts = await asyncio.to_thread(decode_together, bundle, generations)
             else:
                 texts = [await asyncio.to_thread(_text_or_error, generations[0])]
-            self.m_batch.observe(len(idx), tags={"model": self.model_name, "version": version})
+            self._observe_batch([items[i][0] for i in idx])
             for i, text in zip(idx, texts):
                 results[i] = text
         return results
@@ -444,9 +588,10 @@ class Chat(_ModelServer):
         each group of one version decodes in one forward pass per token in a thread of its own
         (`stream_together`), each token sent on to its stream as soon as it is decoded. Returns
         when every row has ended."""
-        groups = [(version, items[idx[0]][1], [items[i][2] for i in idx]) for version, idx in _by_version(items).items()]
-        for version, _, generations in groups:
-            self.m_batch.observe(len(generations), tags={"model": self.model_name, "version": version})
+        groups = [(items[idx[0]][0], items[idx[0]][1], [items[i][2] for i in idx]) for idx in _by_model(items).values()]
+        for idx in _by_model(items).values():
+            self._observe_batch([items[i][0] for i in idx])
+
         loop = asyncio.get_running_loop()
         outcomes = await asyncio.gather(*(loop.run_in_executor(self._decoders, stream_together, bundle, generations)
                                           for _, bundle, generations in groups), return_exceptions=True)
@@ -454,6 +599,25 @@ class Chat(_ModelServer):
             if isinstance(outcome, BaseException):  # each of its streams ends with an error event
                 logger.error("decoding streams of %s v%s failed", self.model_name, version, exc_info=outcome)
         return [None] * len(items)
+
+    def _batch_context(self) -> contextvars.Context | None:
+        """Where a request joins a batch. `@serve.batch` splits a batch by the requests' multiplexed
+        model id (the adapter the router asked for), so on a replica of adapters on one base the
+        request joins from a context of its own, without that id: adapters of one base decode together
+        (each row with its own; `_by_model`). Elsewhere: the request's own context."""
+        return contextvars.Context() if self.limits.max_adapters else None
+
+    async def _unsplit(self, batched: Awaitable):
+        """Await a `@serve.batch` call from `_batch_context` (cancelling this cancels it)."""
+        context = self._batch_context()
+        if context is None:
+            return await batched
+        return await asyncio.get_running_loop().create_task(batched, context=context)
+
+    def _observe_batch(self, versions: list[str]) -> None:
+        """A batch's size, by its version (`mixed` for adapters of several decoded together)."""
+        label = versions[0] if len(set(versions)) == 1 else "mixed"
+        self.m_batch.observe(len(versions), tags={"model": self.model_name, "version": label})
 
     def _start_stream(self, version: str, generation: _Generation) -> None:
         """Join the batch of streams that arrive together; should it fail before decoding (no None
@@ -466,7 +630,8 @@ class Chat(_ModelServer):
             if failed:
                 generation.feed.put(RuntimeError("the batch of streams failed before decoding; see the replica log"))
 
-        task = asyncio.get_running_loop().create_task(self._stream_together((version, generation.bundle, generation)))
+        task = asyncio.get_running_loop().create_task(self._stream_together((version, generation.bundle, generation)),
+                                                      context=self._batch_context())
         self._streaming.add(task)
         task.add_done_callback(done)
 

@@ -130,7 +130,25 @@ def plan_deployment(spec: RunSpec, model: str | None = None, tracking_uri: str |
     if shadow is not None and "generator" in kinds.values():
         raise ServeError(f"serve.shadow: {name} is a gpt model, whose endpoint mirrors no requests (classifiers and "
                          "fine-tuned pretrained models do); `--set serve.shadow=null`")
+    if spec.serve.adapters.max_per_replica:
+        _check_adapters(client, name, served, kinds, spec.serve)
     return DeploymentPlan(name, next(iter(kinds.values())), uri, spec.serve, traffic, aliases, shadow)
+
+
+def _check_adapters(client, name: str, versions: set[str], kinds: dict[str, str], s: ServeSpec) -> None:
+    """Many adapters on one base: language-model versions registered as adapters, run by torch."""
+    where = "serve.adapters.max_per_replica"
+    if set(kinds.values()) != {"chat"}:
+        raise ServeError(f"{where}: {name} is a {next(iter(kinds.values()))} model; adapters on one base are for "
+                         "fine-tuned language models (`model.kind: hf_causal_lm`)")
+    if s.runtime != "torch":
+        raise ServeError(f"{where}: adapters on one base run in torch; `--set serve.runtime=torch`")
+    whole = sorted((v for v in versions if client.get_model_version(name, v).tags.get("flotilla.form") != "adapter"),
+                   key=int)
+    if whole:
+        raise ServeError(f"{where}: {name} v{', v'.join(whole)} holds a whole model, not an adapter on a pinned base "
+                         "(trained with `model.lora.merge: true`, or not LoRA); serve it with "
+                         "`--set serve.adapters.max_per_replica=0`, or train with `model.lora.merge: false`")
 
 
 def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:

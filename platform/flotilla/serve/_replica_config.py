@@ -46,6 +46,7 @@ class ReplicaLimits(_Strict):
     num_gpus: float = Field(ge=0)
     allow_factories: tuple[str, ...] = ()  # custom model factories a version may import
     runtime: str = "torch"  # serve.runtime: torch, onnx, onnx-int8 or auto
+    max_adapters: int = Field(0, ge=0)  # serve.adapters.max_per_replica: 0, whole models; K, adapters on one base
 
     @classmethod
     def from_spec(cls, s) -> "ReplicaLimits":
@@ -56,4 +57,5 @@ class ReplicaLimits(_Strict):
             request_timeout_s=s.request_timeout_s, sticky_header=s.sticky_header,
             num_cpus=max(1, math.floor(s.replica.num_cpus)) if s.replica.num_cpus else 1,
             num_gpus=s.replica.num_gpus, allow_factories=tuple(s.allow_factories), runtime=s.runtime,
+            max_adapters=s.adapters.max_per_replica,
         )

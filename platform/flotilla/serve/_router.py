@@ -48,13 +48,13 @@ def _not_found(model: str, served: list[str]) -> ApiError:
 class OpenAIRouter:
     def __init__(self, max_body_bytes: int = 1_000_000):
         self.max_body_bytes = max_body_bytes
-        self._models: dict[str, str] = {}  # model id -> the application that serves it
+        self._models: dict[str, tuple[str, bool]] = {}  # model id -> its application, and whether multiplexed
         self._found_at = -1e9
         self._handles: dict[str, Any] = {}
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ the directory
-    async def directory(self, fresh: bool = False) -> dict[str, str]:
+    async def directory(self, fresh: bool = False) -> dict[str, tuple[str, bool]]:
         """Which application serves each model, found anew when `fresh` or older than DIRECTORY_TTL_S."""
         async with self._lock:
             if fresh or time.monotonic() - self._found_at > DIRECTORY_TTL_S:
@@ -62,24 +62,26 @@ class OpenAIRouter:
                 self._found_at = time.monotonic()
             return self._models
 
-    async def _find(self) -> dict[str, str]:
+    async def _find(self) -> dict[str, tuple[str, bool]]:
         status = await asyncio.to_thread(serve.status)
         apps = sorted(name for name, app in status.applications.items()
                       if name != ROUTER_APP and CHAT_DEPLOYMENT in app.deployments
                       and app.status in ("RUNNING", "DEPLOYING", "UNHEALTHY"))  # (an update in place still answers)
-        found: dict[str, str] = {}
+        listed: list[tuple[bool, str, str]] = []  # (multiplexed, application, model)
         for name in apps:
             try:
                 handle = await self._handle(name)
-                models = await handle.served_models.remote()
+                listed += [(m["multiplexed"], name, m["id"]) for m in await handle.served_models.remote()]
             except Exception as e:  # redeployed or going away at this instant: asked again next time
                 logger.warning("router: application %s did not say what it serves (%s)", name, e)
+        found: dict[str, tuple[str, bool]] = {}
+        for multiplexed, app, model in sorted(listed):  # an app's own model wins over another's adapter of it
+            if model in found:
+                if not multiplexed:
+                    logger.warning("router: %s is served by %s and %s; routing to %s", model, found[model][0], app,
+                                   found[model][0])
                 continue
-            for model in models:
-                if model in found:
-                    logger.warning("router: %s is served by %s and %s; routing to %s", model, found[model], name,
-                                   found[model])
-                found.setdefault(model, name)
+            found[model] = (app, multiplexed)
         return found
 
     async def _handle(self, app: str):
@@ -125,18 +127,21 @@ class OpenAIRouter:
         try:
             raw = await self._body(request)
             model = self._model_of(raw)
+            name = model.split("@", 1)[0].split("/", 1)[0]  # NAME@ALIAS and NAME/VERSION go where NAME does
             served = await self.directory()
-            if model not in served:
+            if name not in served:
                 served = await self.directory(fresh=True)
-            if model not in served:
+            if name not in served:
                 raise _not_found(model, sorted(served))
         except ApiError as e:
             return self._error(e)
-        app = served[model]
+        app, multiplexed = served[name]
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         try:
-            handle = await self._handle(app)
-            parts = handle.options(stream=True).routed.remote(path, raw, headers)
+            handle = (await self._handle(app)).options(stream=True)
+            if multiplexed or name != model:  # to a replica that holds the adapter, where one does
+                handle = handle.options(multiplexed_model_id=model)
+            parts = handle.routed.remote(path, raw, headers)
             head = await parts.__anext__()
         except Exception as e:  # the application went away between finding it and asking it
             logger.warning("router: %s (serving %s) failed a request: %s", app, model, e)

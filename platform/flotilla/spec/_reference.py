@@ -24,7 +24,7 @@ from flotilla.spec._sections import (
     TrackSpec,
     TrainSpec,
 )
-from flotilla.spec._serve import AutoscalingSpec, BatchingSpec, ReplicaSpec, ServeSpec, ShadowSpec
+from flotilla.spec._serve import AdaptersSpec, AutoscalingSpec, BatchingSpec, ReplicaSpec, ServeSpec, ShadowSpec
 from flotilla.spec._tune import TuneSpec
 
 
@@ -49,6 +49,7 @@ def spec_reference_markdown() -> str:
         ("serve.replica", ReplicaSpec, None),
         ("serve.autoscaling", AutoscalingSpec, None),
         ("serve.batching", BatchingSpec, None),
+        ("serve.adapters", AdaptersSpec, None),
         ("export", ExportSpec, None),
         ("cost", CostSpec, None),
     ]

@@ -66,6 +66,19 @@ class ReplicaSpec(_Section):
     num_gpus: float = Field(0, ge=0, description="GPUs per replica; > 0 serves on CUDA.")
 
 
+class AdaptersSpec(_Section):
+    """Many LoRA adapters on one replica of a language model (Ray Serve's model multiplexing)."""
+
+    max_per_replica: int = Field(
+        0, ge=0, description="0: each served version loads as a whole model (its adapter merged into its base). "
+        "K > 0: a replica holds its version's base once, unmerged, and besides the versions it serves, up to K "
+        "adapters of other registered models trained on the same base (the same SHA-256), loaded from the registry "
+        "on a request's first use and dropped least recently used; requests name them by `model` (`NAME` for its "
+        "champion, `NAME@ALIAS`, `NAME/VERSION`), through the OpenAI router's `/v1` too, which sends each to a "
+        "replica that holds its adapter. Requests for different adapters that arrive together decode together. "
+        "Needs adapter versions (`model.lora.merge: false`).")
+
+
 class ShadowSpec(_Section):
     """Mirror a share of traffic to another version; only the primary's answer is returned."""
 
@@ -115,6 +128,7 @@ class ServeSpec(_Section):
         True, description="With a language model: also serve one OpenAI-compatible base URL for every language "
         "model of the cluster at `/v1` (`/v1/models`, `/v1/chat/completions`, `/v1/completions`, routed by the "
         "request's `model`), beside the model's own prefix. Started once; models deployed later join it.")
+    adapters: AdaptersSpec = Field(default_factory=AdaptersSpec, description="Many adapters on one replica.")
     runtime: Literal["torch", "onnx", "onnx-int8", "auto"] = Field(
         "torch",
         description="What runs the model in a replica: `torch`, or a variant `flotilla export` built and gated "
