@@ -206,11 +206,10 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         assert raw.status_code == 422 and raw.json()["error"]["param"] == "messages", raw.text
         assert raw.headers.get("X-Model-Version") is None
 
+        _one_base_url_routes_by_model(endpoint, expected)
         mlflow_client = MlflowClient(store_uri(finetuned.store))
         v1 = mlflow_client.get_model_version("instruct-lora", "1")
         mlflow.set_tracking_uri(store_uri(finetuned.store))
-        _one_base_url_routes_by_model(endpoint, finetuned, tiny_llama, mlflow_client, v1, expected,
-                                      bundle.tokenizer.eos_token_id)
 
         # A canary split between v1 and v2 (the same weights, registered again): both answer, each
         # caller who names itself (`X-User-Id`) stays with one version.
@@ -259,65 +258,24 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         serve.shutdown()
 
 
-def _one_base_url_routes_by_model(endpoint, finetuned, tiny_llama, mlflow_client, v1, expected: str, eos: int) -> None:
-    """The OpenAI router at /v1, started by the first chat deploy: a second language model deployed
-    after it is listed and answered by the same base URL, each request by the model its `model`
-    names, whole and streamed, with the model's own errors, versions and cancellation; an unknown
-    model gets OpenAI's 404; a deleted one leaves the list."""
-    from openai import BadRequestError, NotFoundError, OpenAI, UnprocessableEntityError
-    from ray import serve
-
-    from flotilla.serve import deploy, plan_deployment
+def _one_base_url_routes_by_model(endpoint, expected: str) -> None:
+    """The OpenAI router at /v1, started by the first chat deploy, answers for the model as its own
+    prefix does; a model served nowhere is OpenAI's 404. (More in the adapters test below.)"""
+    from openai import NotFoundError, OpenAI
 
     base = f"http://127.0.0.1:{endpoint.plan.serve.port}/v1"
     assert any(base in note for note in endpoint.notes), endpoint.notes
     client = OpenAI(base_url=base, api_key="unused", max_retries=0)
-    mlflow_client.create_registered_model("instruct-copy")
-    mlflow_client.create_model_version("instruct-copy", source=v1.source, run_id=v1.run_id, model_id=v1.model_id)
-    other = instruct_spec(finetuned.store, tiny_llama, f"serve.port={endpoint.plan.serve.port}", "serve.model=instruct-copy",
-                          "serve.replica.num_cpus=0.5", "serve.traffic={'1': 100}", "serve.autoscaling.max_replicas=1",
-                          "serve.max_new_tokens=60000")
-    deploy(plan_deployment(other))
-    try:
-        assert [m.id for m in client.models.list()] == ["instruct-copy", "instruct-lora"]
-        assert client.models.retrieve("instruct-copy").id == "instruct-copy"
-        question = [{"role": "user", "content": "What is 12 plus 7?"}]
-        for model in ("instruct-lora", "instruct-copy", "instruct-lora"):
-            raw = client.chat.completions.with_raw_response.create(model=model, messages=question, max_tokens=10,
-                                                                   temperature=0)
-            answer = raw.parse()
-            assert (answer.model, answer.choices[0].message.content) == (model, expected)
-            assert raw.headers["X-Model-Version"] == "1" and raw.headers["content-type"] == "application/json"
-            chunks = list(client.chat.completions.create(model=model, messages=question, max_tokens=10, temperature=0,
-                                                         stream=True))
-            assert {c.model for c in chunks} == {model}
-            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-        completion = client.completions.create(model="instruct-copy", prompt="What is 3 times 4?", max_tokens=6,
-                                               temperature=0)
-        assert completion.model == "instruct-copy" and completion.choices[0].text
-        # The model's own refusals come through as they are; the router's own are in OpenAI's shape too.
-        with pytest.raises(UnprocessableEntityError, match="only n=1 is supported"):
-            client.chat.completions.create(model="instruct-copy", messages=question, n=2)
-        with pytest.raises(NotFoundError, match="The model `gpt-4o` does not exist") as missing:
-            client.chat.completions.create(model="gpt-4o", messages=question)
-        error = missing.value.response.json()["error"]
-        assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
-        assert "instruct-copy, instruct-lora" in error["message"], error
-        with pytest.raises(NotFoundError, match="model_not_found|does not exist"):
-            client.models.retrieve("gpt-4o")
-        for body, says in ((b"{not json", "not valid JSON"), (b'{"messages": []}', "model: name the model")):
-            r = requests.post(base + "/chat/completions", data=body, headers={"content-type": "application/json"},
-                              timeout=30)
-            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-        with pytest.raises(BadRequestError):
-            client.completions.create(model="", prompt="x")
-        # A client that leaves through the router stops its generation, as on the model's own route.
-        endless = {"model": "instruct-copy", "messages": [{"role": "user", "content": "Tell me everything."}],
-                   "temperature": 1.0, "seed": 5, "logit_bias": {str(eos): -100}, "max_tokens": 60000}
-        assert_leaving_clients_stop_generating("instruct-copy", base + "/chat/completions", endless)
-    finally:
-        serve.delete("instruct-copy")
     assert [m.id for m in client.models.list()] == ["instruct-lora"]
+    question = [{"role": "user", "content": "What is 12 plus 7?"}]
+    raw = client.chat.completions.with_raw_response.create(model="instruct-lora", messages=question, max_tokens=10,
+                                                           temperature=0)
+    assert raw.parse().choices[0].message.content == expected and raw.headers["X-Model-Version"] == "1"
+    with pytest.raises(NotFoundError, match="The model `gpt-4o` does not exist") as missing:
+        client.chat.completions.create(model="gpt-4o", messages=question)
+    error = missing.value.response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "models served: instruct-lora" in error["message"], error
 
 
 def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha256: str | None = None) -> None:
@@ -358,7 +316,8 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
     _register_adapter(store, "adapter-b", 3.0, tmp_path)
     _register_adapter(store, "adapter-c", -2.0, tmp_path)
     spec = instruct_spec(store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
-                         "serve.autoscaling.max_replicas=1", "serve.adapters.max_per_replica=2")
+                         "serve.autoscaling.max_replicas=1", "serve.adapters.max_per_replica=2",
+                         "serve.max_new_tokens=60000")
     endpoint = deploy(plan_deployment(spec))
     try:
         port = endpoint.plan.serve.port
@@ -416,6 +375,27 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
         r = requests.post(endpoint.url + "/v1/chat/completions", json={"model": "adapter-x@champion", "messages": question},
                           timeout=60)
         assert r.status_code == 404 and "no registered model, alias or version" in r.json()["error"]["message"], r.text
+        # The router: streams and completions by model, OpenAI's model objects, its own refusals.
+        base = f"http://127.0.0.1:{port}/v1"
+        for model in ("adapter-c", "instruct-lora"):
+            chunks = list(client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0,
+                                                         seed=0, stream=True))
+            assert {c.model for c in chunks} == {model}
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone[asks.index((model, 0))][0]
+        completion = client.completions.create(model="adapter-b", prompt="What is 3 times 4?", max_tokens=6, temperature=0)
+        assert completion.model == "adapter-b" and completion.choices[0].text
+        assert client.models.retrieve("adapter-b").id == "adapter-b"
+        with pytest.raises(NotFoundError):
+            client.models.retrieve("gpt-4o")
+        for body, says in ((b"{not json", "not valid JSON"), (b'{"messages": []}', "model: name the model")):
+            r = requests.post(base + "/chat/completions", data=body, headers={"content-type": "application/json"},
+                              timeout=30)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        # A client that leaves through the router stops its generation, as on the model's own route.
+        eos = json.loads((store / "runs" / "lora" / "bundle" / "generation_config.json").read_text())["eos_token_id"]
+        endless = {"model": "adapter-b", "messages": [{"role": "user", "content": "Tell me everything."}],
+                   "temperature": 1.0, "seed": 5, "logit_bias": {str(eos): -100}, "max_tokens": 60000}
+        assert_leaving_clients_stop_generating("instruct-lora", base + "/chat/completions", endless)
         _register_adapter(store, "elsewhere", 1.0, tmp_path, base_sha256="0" * 64)  # another base: not listed
         with pytest.raises(NotFoundError, match="The model `elsewhere` does not exist"):
             client.chat.completions.create(model="elsewhere", messages=question)
@@ -423,6 +403,8 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
                           timeout=60)
         assert r.status_code == 422 and "is an adapter for the base" in r.json()["error"]["message"], r.text
         assert "this replica holds" in r.json()["error"]["message"], r.text
+        serve.delete("instruct-lora")  # a deleted app's models leave the list
+        assert [m.id for m in client.models.list()] == []
     finally:
         serve.shutdown()
 
