@@ -368,3 +368,60 @@ def test_an_incomplete_bundle_or_one_with_its_own_code_is_refused(trained, tmp_p
     (copy / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.M"}}))
     with pytest.raises(BundleError, match="names code of its own"):
         load_hf_bundle(copy)
+
+
+def test_prompt_tuning_trains_virtual_tokens_only_and_its_bundle_generates_as_peft_does(tiny_llama, tmp_path):
+    from flotilla.bundle import is_adapter_bundle, lineage_tags
+    from flotilla.data._instruct import IGNORE
+
+    spec = {"kind": "hf_causal_lm", "pretrained": tiny_llama, "adaptation": "prompt",
+            "prompt_tuning": {"num_virtual_tokens": 6, "init_text": None}}
+    torch.manual_seed(0)
+    model = build_hf_causal_lm(spec)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("prompt_encoder" in n for n in trainable), trainable
+    ids = torch.randint(3, 500, (4, 12))
+    assert model(ids).shape[:2] == (4, 12)  # the inputs' own logits, after the virtual tokens
+    # A few steps on one batch: the loss falls, only the virtual tokens change.
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for _ in range(20):
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses  # (random tokens on a random model: little to learn)
+    model.eval()
+    fresh = build_hf_causal_lm(spec)
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
+    bundle_dir = write_hf_bundle(tmp_path / "prompt", fresh, spec, {**SCHEMA, "tokenizer": tiny_llama}, {})
+    assert is_adapter_bundle(bundle_dir) and lineage_tags(bundle_dir)["flotilla.adapter"] == "prompt"
+    assert not (bundle_dir / "model.safetensors").exists()
+    bundle = load_hf_bundle(bundle_dir)
+    assert bundle.prefix is not None and bundle.prefix.shape[0] == 6
+    with torch.no_grad():
+        assert torch.allclose(bundle.logits(ids), model(ids), atol=1e-5)
+        prompt = bundle.encode("def main():", chat=True)
+        # Greedy: what the model with the virtual tokens first predicts, token by token, recomputing
+        # the whole sequence each time (no cache): the bundle's cached decoding gives the same.
+        seq, theirs = list(prompt), []
+        for _ in range(10):
+            token = int(model(torch.tensor([seq]))[0, -1].argmax())
+            if token in bundle.stop_ids():
+                break
+            theirs.append(token)
+            seq.append(token)
+        assert list(bundle.generate_ids(prompt, max_tokens=10, temperature=0.0)) == theirs
+    # Rows of different lengths decoded together: each the tokens it gets alone.
+    prompts = [prompt, bundle.encode("Hi", chat=True), bundle.encode("What is 3 times 4? Tell me.", chat=True)]
+    settings = [dict(max_tokens=8, temperature=0.0), dict(max_tokens=8, temperature=1.0, seed=2),
+                dict(max_tokens=8, temperature=0.7, seed=5)]
+    alone = [list(bundle.generate_ids(p, **s)) for p, s in zip(prompts, settings)]
+    assert bundle.generate_ids_batch(prompts, settings) == alone
+    from flotilla.bundle import AdapterSet
+
+    with pytest.raises(BundleError, match="prompt tuning's virtual tokens, which a replica serves one version"):
+        AdapterSet(bundle_dir, "p")

@@ -55,9 +55,10 @@ def write_hf_bundle(directory: str | Path, model, model_spec: dict[str, Any], sc
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {"model": model_spec, "schema": schema}
-    if model.is_lora:
+    if model.is_adapter:
         model.hf.save_pretrained(out / ADAPTER_DIR)  # safetensors is peft's default
-    adapter_only = model.is_lora and not (model_spec.get("lora") or {}).get("merge", False)
+    # Prompt tuning has nothing to merge: its virtual tokens go before every input.
+    adapter_only = model.is_adapter and not (model.is_lora and (model_spec.get("lora") or {}).get("merge", False))
     if adapter_only:
         meta["base"] = pin_base(model_spec)
         merged = model.base
@@ -94,6 +95,7 @@ class HFBundle:
     metrics: dict[str, Any]
     schema: Any = None  # flotilla.data.DataSchema (task `lm`, its token windows)
     adapter: str | None = None  # on a shared base (`AdapterSet`): the adapter this bundle generates with
+    prefix: torch.Tensor | None = None  # prompt tuning: the virtual tokens' embeddings, before every input
     lock: Any = None  # on a shared base: held around each forward pass (peft's per-batch adapter hooks)
 
     @property
@@ -121,8 +123,37 @@ class HFBundle:
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence (prompt and generated text) the model was built for, when its config says."""
-        return getattr(self.model.config, "max_position_embeddings", None)
+        """The longest sequence (prompt and generated text) the model was built for, when its config says
+        (less prompt tuning's virtual tokens, which come first)."""
+        most = getattr(self.model.config, "max_position_embeddings", None)
+        return most - len(self.prefix) if most is not None and self.prefix is not None else most
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits for each position of `input_ids` (after prompt tuning's virtual tokens)."""
+        if self.prefix is None:
+            return self.model(input_ids=input_ids).logits
+        n = len(self.prefix)
+        embeds = torch.cat([self.prefix.expand(input_ids.shape[0], -1, -1),
+                            self.model.get_input_embeddings()(input_ids)], dim=1)
+        return self.model(inputs_embeds=embeds).logits[:, n:]
+
+    def _first(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None, adapters=None):
+        """The first forward pass of a generation: the prompt, after prompt tuning's virtual tokens
+        (they take the first positions of every row, the left padding after them is masked); and the
+        attention mask to extend from then on."""
+        if self.prefix is None:
+            extra = {} if attention_mask is None else {"attention_mask": attention_mask, "position_ids": position_ids}
+            return self._forward(adapters, input_ids=input_ids, use_cache=True, **extra), attention_mask
+        rows, n = input_ids.shape[0], len(self.prefix)
+        embeds = torch.cat([self.prefix.expand(rows, -1, -1).to(self.device),
+                            self.model.get_input_embeddings()(input_ids)], dim=1)
+        mask = torch.ones(rows, n + input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+        if attention_mask is not None:
+            mask[:, n:] = attention_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return self._forward(adapters, inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                             use_cache=True), mask
 
     def to(self, device: str | torch.device) -> "HFBundle":
         self.model.to(device)
@@ -156,7 +187,8 @@ class HFBundle:
         `adapter_names`, `__base__` for none), one pass at a time."""
         if self.lock is None:
             return self.model(**inputs)
-        names = [a or "__base__" for a in adapters or [self.adapter] * inputs["input_ids"].shape[0]]
+        rows = (inputs["input_ids"] if "input_ids" in inputs else inputs["inputs_embeds"]).shape[0]
+        names = [a or "__base__" for a in adapters or [self.adapter] * rows]
         with self.lock:
             return self.model(**inputs, adapter_names=names)
 
@@ -171,7 +203,7 @@ class HFBundle:
         (-100 bans a token)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stops, device, bias = self.stop_ids(), self.device, logit_bias_tensors(logit_bias)
-        out = self._forward(input_ids=torch.tensor([ids], device=device), use_cache=True)
+        out, _ = self._first(torch.tensor([ids], device=device))
         for _ in range(max_tokens):
             token = sample_next(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
             if token in stops:
@@ -228,7 +260,8 @@ class HFBundle:
         generators, biases = zip(*(sampler(i, s) for i, s in enumerate(settings)))
 
         adapters = [s.get("adapter") or self.adapter for s in settings] if self.lock is not None else None
-        out = self._forward(adapters, input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+        out, mask = self._first(tokens, mask, positions, adapters)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         for step in range(max(int(s["max_tokens"]) for s in settings)):
             logits = out.logits[:, -1].float().cpu()
             for i, s in enumerate(settings):
@@ -396,7 +429,8 @@ def lineage_tags(path: str | Path) -> dict[str, str]:
     tags = {"flotilla.bundle_bytes": str(sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))}
     if is_adapter_bundle(root):
         base = json.loads((root / MODEL_JSON).read_text())["base"]
-        tags.update({"flotilla.form": "adapter", "flotilla.base": f"{base['pretrained']} ({base['path']})",
+        tags.update({"flotilla.form": "adapter", "flotilla.adapter": "prompt" if is_prompt_tuning(root) else "lora",
+                     "flotilla.base": f"{base['pretrained']} ({base['path']})",
                      "flotilla.base_sha256": base["sha256"],
                      "flotilla.adapter_bytes": str(sum(f.stat().st_size for f in (root / ADAPTER_DIR).rglob("*")
                                                       if f.is_file()))})
@@ -441,6 +475,9 @@ class AdapterSet:
 
     @staticmethod
     def _adapter_meta(root: Path) -> dict[str, Any]:
+        if is_prompt_tuning(root):
+            raise BundleError(f"{root} is prompt tuning's virtual tokens, which a replica serves one version at a time; "
+                              "adapters on one base (`serve.adapters.max_per_replica`) are LoRA adapters")
         if not is_adapter_bundle(root):
             raise BundleError(f"{root} holds a whole model, not a LoRA adapter on a pinned base; a replica that serves "
                               "adapters on one base (`serve.adapters.max_per_replica`) loads adapter versions only "
@@ -528,14 +565,30 @@ def load_hf_bundle(path: str | Path, dtype: torch.dtype = torch.float32, device:
     _refuse_own_code(weights)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True, trust_remote_code=False,
                                                  use_safetensors=True)
+    prefix = None
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, root / ADAPTER_DIR, is_trainable=False).merge_and_unload()
+        peft = PeftModel.from_pretrained(model, root / ADAPTER_DIR, is_trainable=False)
+        if is_prompt_tuning(root):  # the virtual tokens' embeddings, before every input (`HFBundle.prefix`)
+            with torch.no_grad():
+                prefix = peft.get_prompt(batch_size=1)[0].detach().to(dtype).to(device)
+            model = peft.get_base_model()
+        else:
+            model = peft.merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     schema = DataSchema.model_validate(meta["schema"]) if meta.get("schema") else None
     return HFBundle(path=root, model=model.to(device).eval(), tokenizer=tokenizer, model_spec=meta.get("model", {}),
-                    metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema)
+                    metrics=json.loads((root / METRICS_JSON).read_text()), schema=schema, prefix=prefix)
+
+
+def is_prompt_tuning(path: str | Path) -> bool:
+    """Whether the adapter in the bundle at `path` is prompt tuning's virtual tokens (not LoRA)."""
+    try:
+        config = json.loads((Path(path) / ADAPTER_DIR / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("peft_type") == "PROMPT_TUNING"
 
 
 def is_hf_bundle(path: str | Path) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from flotilla.errors import ModelError
 from flotilla.models._hf_tiny import resolve_pretrained
 
-ADAPTATIONS = ("lora", "full", "freeze")
+ADAPTATIONS = ("lora", "prompt", "full", "freeze")
 # Where LoRA goes when `model.lora.target_modules` is null: the attention projections, as in the
 # LoRA paper (Hu et al. 2021, section 7.1: adapting W_q and W_v, or all four, works best per
 # parameter), under each architecture's own module names. Other architectures get every Linear
@@ -38,6 +38,7 @@ DEFAULT_TARGET_MODULES = {
     "gpt_neox": ["query_key_value"],
 }
 LORA_DEFAULTS = {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": None, "merge": False}
+PROMPT_DEFAULTS = {"num_virtual_tokens": 16, "init_text": None}
 
 
 class HFCausalLM(nn.Module):
@@ -53,11 +54,25 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # No KV cache in training: it would only hold memory the backward pass needs.
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        # Prompt tuning puts its virtual tokens first (peft): the inputs' own logits follow them.
+        return logits[:, self.virtual_tokens:] if self.virtual_tokens else logits
 
     @property
     def is_lora(self) -> bool:
         return self.spec.get("adaptation", "lora") == "lora"
+
+    @property
+    def is_adapter(self) -> bool:
+        """Trained as an adapter on a frozen base (peft): LoRA or prompt tuning."""
+        return self.spec.get("adaptation", "lora") in ("lora", "prompt")
+
+    @property
+    def virtual_tokens(self) -> int:
+        """Prompt tuning's virtual tokens before every input (0 for other adaptations)."""
+        if self.spec.get("adaptation") != "prompt":
+            return 0
+        return int((self.spec.get("prompt_tuning") or {}).get("num_virtual_tokens", PROMPT_DEFAULTS["num_virtual_tokens"]))
 
     @property
     def config(self):
@@ -66,7 +81,7 @@ class HFCausalLM(nn.Module):
     @property
     def base(self) -> nn.Module:
         """The transformers model underneath (for LoRA: with its LoRA layers still in place)."""
-        return self.hf.get_base_model() if self.is_lora else self.hf
+        return self.hf.get_base_model() if self.is_adapter else self.hf
 
 
 def build_hf_causal_lm(model_spec: dict[str, Any], schema: Any = None, dtype: torch.dtype = torch.float32,
@@ -95,6 +110,8 @@ def build_hf_causal_lm(model_spec: dict[str, Any], schema: Any = None, dtype: to
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adaptation == "lora":
         hf = _add_lora(hf, spec)
+    elif adaptation == "prompt":
+        hf = _add_prompt(hf, spec)
     elif adaptation == "freeze":
         _freeze(hf, spec.get("freeze") or [])
     elif spec.get("freeze"):
@@ -190,6 +207,24 @@ def _add_lora(hf: nn.Module, spec: dict[str, Any]) -> nn.Module:
         raise ModelError(f"model.lora.target_modules {targets!r} matches no layer of {spec['pretrained']!r} ({e}); "
                          f"its Linear layers are named {', '.join(names)}: e.g. "
                          f"`--set model.lora.target_modules=[{','.join(names[:2])}]`") from None
+
+
+def _add_prompt(hf: nn.Module, spec: dict[str, Any]) -> nn.Module:
+    from peft import PromptTuningConfig, PromptTuningInit, get_peft_model
+
+    tuning = {**PROMPT_DEFAULTS, **(spec.get("prompt_tuning") or {})}
+    text = tuning.get("init_text")
+    config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=int(tuning["num_virtual_tokens"]),
+                                prompt_tuning_init=PromptTuningInit.TEXT if text else PromptTuningInit.RANDOM,
+                                prompt_tuning_init_text=text or None,
+                                tokenizer_name_or_path=_source(spec) if text else None)
+    embeddings = hf.get_input_embeddings().weight
+    if text and hasattr(embeddings, "ds_id"):  # ZeRO-3: the text's embeddings are read from the whole table
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([embeddings], modifier_rank=None):
+            return get_peft_model(hf, config)
+    return get_peft_model(hf, config)
 
 
 def _freeze(hf: nn.Module, prefixes: list[str]) -> None:

@@ -143,8 +143,12 @@ def _check_adapters(client, name: str, versions: set[str], kinds: dict[str, str]
                          "fine-tuned language models (`model.kind: hf_causal_lm`)")
     if s.runtime != "torch":
         raise ServeError(f"{where}: adapters on one base run in torch; `--set serve.runtime=torch`")
-    whole = sorted((v for v in versions if client.get_model_version(name, v).tags.get("flotilla.form") != "adapter"),
-                   key=int)
+    tags = {v: client.get_model_version(name, v).tags for v in versions}
+    prompt = sorted((v for v in versions if tags[v].get("flotilla.adapter") == "prompt"), key=int)
+    if prompt:
+        raise ServeError(f"{where}: {name} v{', v'.join(prompt)} is prompt tuning (virtual tokens), which a replica "
+                         "serves one version at a time; `--set serve.adapters.max_per_replica=0`")
+    whole = sorted((v for v in versions if tags[v].get("flotilla.form") != "adapter"), key=int)
     if whole:
         raise ServeError(f"{where}: {name} v{', v'.join(whole)} holds a whole model, not an adapter on a pinned base "
                          "(trained with `model.lora.merge: true`, or not LoRA); serve it with "

@@ -199,6 +199,17 @@ class LoraSpec(_Section):
     )
 
 
+class PromptTuningSpec(_Section):
+    """Prompt tuning (Lester et al. 2021) through peft: the model stays frozen and only the embeddings of a few
+    virtual tokens, put before every input, are learned."""
+
+    num_virtual_tokens: int = Field(16, gt=0, le=512, description="How many virtual tokens are learned.")
+    init_text: Optional[str] = Field(
+        None, description="Start the virtual tokens from this text's token embeddings (e.g. `Answer the arithmetic "
+        "question.`); null: random."
+    )
+
+
 class HFCausalLMSpec(_Section):
     """A pretrained Hugging Face causal language model (transformers), fine-tuned on instructions, chats or text."""
 
@@ -212,11 +223,14 @@ class HFCausalLMSpec(_Section):
         False, description="Run code that the model's repository ships (a custom architecture). Off: such a model is "
         "refused; turn it on only after reading that code."
     )
-    adaptation: Literal["lora", "full", "freeze"] = Field(
-        "lora", description="`lora`: train LoRA adapters only; `full`: every weight; `freeze`: every weight but the "
-        "layers listed in `freeze`."
+    adaptation: Literal["lora", "prompt", "full", "freeze"] = Field(
+        "lora", description="`lora`: train LoRA adapters only; `prompt`: train only the embeddings of virtual tokens "
+        "put before every input (prompt tuning; registered and served as an adapter, like LoRA); `full`: every "
+        "weight; `freeze`: every weight but the layers listed in `freeze`."
     )
     lora: LoraSpec = Field(default_factory=LoraSpec, description="The adapters, with `adaptation: lora`.")
+    prompt_tuning: PromptTuningSpec = Field(
+        default_factory=PromptTuningSpec, description="The virtual tokens, with `adaptation: prompt`.")
     freeze: list[str] = Field(
         default_factory=list, description="With `adaptation: freeze`: parameter-name prefixes kept frozen, e.g. "
         "`[model.embed_tokens, model.layers.0]`."
@@ -230,6 +244,13 @@ class HFCausalLMSpec(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in the backward pass (less memory, ~30% more compute)."
     )
+
+    @model_validator(mode="after")
+    def _merge_is_lora_s(self) -> "HFCausalLMSpec":
+        if self.lora.merge and self.adaptation != "lora":
+            raise ValueError(f"`model.lora.merge: true` merges LoRA adapters into the base; with `adaptation: "
+                             f"{self.adaptation}` there are none: `--set model.lora.merge=false`")
+        return self
 
 
 ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], Field(discriminator="kind")]

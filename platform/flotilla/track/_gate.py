@@ -93,7 +93,7 @@ class BundleEvaluator:
             if int(inputs.max()) >= vocab:
                 raise BundleError(f"its vocabulary has {vocab} tokens and this run's tokenizer makes ids up to "
                                   f"{int(inputs.max())}: the two models tokenize differently")
-            logits = b.model(input_ids=inputs).logits.float().cpu()
+            logits = b.logits(inputs).float().cpu()
             self.total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                                 reduction="sum"))
             self.count += int((labels != IGNORE).sum())

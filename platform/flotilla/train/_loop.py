@@ -625,7 +625,9 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     wrapper (stage 0 in fp32) the module's own parameters are the weights.
     """
     state = {}
-    for name, param in engine.module.named_parameters():
+    # Every name a shared parameter has (tied embeddings; prompt tuning's reference to the input
+    # embeddings): the state dict a fresh model loads names them all.
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
         full = safe_get_full_fp32_param(param)
         state[name] = (full if full is not None else param.detach()).float().cpu().clone()
     saved = set(engine.module.state_dict().keys())
