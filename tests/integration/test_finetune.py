@@ -278,9 +278,10 @@ def _one_base_url_routes_by_model(endpoint, expected: str) -> None:
     assert "models served: instruct-lora" in error["message"], error
 
 
-def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha256: str | None = None) -> None:
+def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha256: str | None = None,
+                      version: str = "1") -> None:
     """instruct-lora v1's model with its LoRA updates scaled by `scale` (a different adapter on the
-    same base, no training), registered as `name` v1, champion; optionally claiming another base."""
+    same base, no training), registered as `name` `version`, champion; optionally claiming another base."""
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
     from safetensors.torch import load_file, save_file
@@ -297,9 +298,10 @@ def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha2
         meta = json.loads(meta_file.read_text())
         meta["base"]["sha256"] = tags["flotilla.base_sha256"] = base_sha256
         meta_file.write_text(json.dumps(meta))
-    client.create_registered_model(name)
-    client.create_model_version(name, source=str(model), tags=tags)
-    client.set_registered_model_alias(name, "champion", "1")
+    if version == "1":
+        client.create_registered_model(name)
+    assert str(client.create_model_version(name, source=str(model), tags=tags).version) == version
+    client.set_registered_model_alias(name, "champion", version)
 
 
 def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp_path):
@@ -368,6 +370,14 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
             assert ask((model, 0)) == alone[asks.index((model, 0))]
         about = requests.get(endpoint.url + "/", timeout=30).json()
         assert sorted(about["adapters"]["loaded"]) == ["adapter-b", "adapter-d"], about
+        # NAME follows its champion: a promotion reaches the replica without a redeploy.
+        _register_adapter(store, "adapter-b", -1.0, tmp_path / "v2", version="2")
+        moved = wait_for(lambda: client.chat.completions.with_raw_response.create(
+            model="adapter-b", messages=question, max_tokens=8, temperature=0, seed=0).headers["X-Model-Version"] == "2",
+            30, "adapter-b's new champion answering", interval_s=1)
+        assert moved
+        about = requests.get(endpoint.url + "/", timeout=30).json()
+        assert len(about["adapters"]["loaded"]) <= 2 and "path" not in about["adapters"]["base"], about
         # A version by alias or number goes to the same replica; what is not there is refused.
         assert ask(("adapter-c/1", 0))[0] == alone[asks.index(("adapter-c", 0))][0]
         with pytest.raises(NotFoundError, match="The model `adapter-x` does not exist"):

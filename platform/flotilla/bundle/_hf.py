@@ -467,7 +467,8 @@ class AdapterSet:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True,
                                                      trust_remote_code=False, use_safetensors=True).to(device)
         self.model = PeftModel.from_pretrained(model, root / ADAPTER_DIR, adapter_name=name, is_trainable=False).eval()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the model's: each forward pass, each adapter loaded or deleted
+        self._books = threading.Lock()  # what is held and leaving: short, never around a forward pass
         self.names = {name}
         self._in_use: dict[str, int] = {}
         self._dropping: set[str] = set()
@@ -506,35 +507,51 @@ class AdapterSet:
                               f"(SHA-256 {self.base['sha256'][:12]})")
         with self.lock:
             self.model.load_adapter(root / ADAPTER_DIR, adapter_name=name, is_trainable=False)
+        with self._books:
             self.names.add(name)
         return self._view(root, name, meta)
 
     def hold(self, name: str) -> bool:
         """Keep adapter `name` loaded until as many `release`s (a request that generates with it);
-        False when it is gone or leaving (evicted meanwhile: load it again)."""
-        with self.lock:
+        False when it is gone or leaving (evicted meanwhile: load it again). Never waits for a
+        forward pass (callers are on an event loop)."""
+        with self._books:
             if name not in self.names or name in self._dropping:
                 return False
             self._in_use[name] = self._in_use.get(name, 0) + 1
             return True
 
     def release(self, name: str) -> None:
-        with self.lock:
+        with self._books:
             self._in_use[name] -= 1
-            self._drop_unused()
+            if not self._in_use[name]:
+                del self._in_use[name]
+        self._delete_unused()
 
     def drop(self, name: str) -> None:
-        """Unload adapter `name` (at once, or when the last batch using it ends)."""
-        with self.lock:
+        """Unload adapter `name`: at once, or when the last request holding it lets go."""
+        with self._books:
             self._dropping.add(name)
-            self._drop_unused()
+        self._delete_unused()
 
-    def _drop_unused(self) -> None:
-        for n in [n for n in self._dropping if not self._in_use.get(n) and n in self.names]:
-            if len(self.names) > 1:  # peft keeps at least one adapter on the model
-                self.model.delete_adapter(n)
-                self.names.discard(n)
+    def _delete_unused(self) -> None:
+        """Delete the leaving adapters no one holds, in a thread of its own: deleting waits for the
+        forward pass in progress (peft keeps at least one adapter on the model)."""
+        with self._books:
+            ready = [n for n in self._dropping if n not in self._in_use and n in self.names]
+            ready = ready[: max(0, len(self.names) - 1)]
+            for n in ready:
                 self._dropping.discard(n)
+                self.names.discard(n)
+        if ready:
+            import threading
+
+            def delete() -> None:
+                with self.lock:
+                    for n in ready:
+                        self.model.delete_adapter(n)
+
+            threading.Thread(target=delete, name="flotilla-adapter-drop", daemon=True).start()
 
     def adapter_bytes(self) -> int:
         """Bytes of the adapters' weights held now."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
 from fastapi import Request
+from mlflow.exceptions import MlflowException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from ray import serve
@@ -55,7 +56,8 @@ from flotilla.serve._openai import (
 from flotilla.serve._replica_config import ReplicaConfig
 from flotilla.serve._schemas import ErrorField
 from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, ApiError, _api, _body_schema, _ModelServer, logger
-from flotilla.track import bundle_in_model, download_model, parse_model_reference, registry_client, resolve_reference
+from flotilla.track import (CHAMPION, alias_version, bundle_in_model, download_model, parse_model_reference,
+                            registry_client, resolve_reference)
 
 MODEL_HEADER = "X-Model-Name"  # which registered model answered (an adapter's, on a replica that holds several)
 LISTED_TTL_S = 5.0  # how long a replica trusts its list of the registry's adapters for its base
@@ -276,6 +278,18 @@ def _by_model(items: list[tuple[str, Any, "_Generation"]]) -> dict[int, list[int
     return groups
 
 
+def _not_an_adapter_for(tags: dict[str, str], base_sha256: str | None) -> str:
+    """Why a registered version (its tags) cannot go onto a replica's base of `base_sha256`; "" if it can."""
+    if tags.get("flotilla.form") != "adapter":
+        return "it holds a whole model, not a LoRA adapter on a pinned base"
+    if tags.get("flotilla.adapter") == "prompt":
+        return "it is prompt tuning, which a replica serves one version at a time"
+    if base_sha256 is not None and tags.get("flotilla.base_sha256") != base_sha256:
+        return (f"it is an adapter for the base {tags.get('flotilla.base', '?').split(' (')[0]} (SHA-256 "
+                f"{tags.get('flotilla.base_sha256', '?')[:12]}); this replica holds another (SHA-256 {base_sha256[:12]})")
+    return ""
+
+
 class _LoadedAdapter:
     """An adapter `Chat.get_adapter` loaded for a model id: its bundle (on the replica's base) and
     version. Serve's multiplexing calls `__del__` when it evicts it; the adapter then leaves the
@@ -284,6 +298,7 @@ class _LoadedAdapter:
     def __init__(self, model_id: str, name: str, version: str, bundle, adapters: AdapterSet, loaded: dict):
         self.model_id, self.name, self.version, self.bundle = model_id, name, version, bundle
         self._adapters, self._loaded, self._dropped = adapters, loaded, False
+        self.switching = threading.Lock()
         loaded[model_id] = self
 
     def __del__(self):
@@ -312,6 +327,7 @@ class Chat(_ModelServer):
         self._loads = itertools.count()
         self._loaded: dict[str, _LoadedAdapter] = {}  # model id -> adapter, as Serve's multiplexing holds them
         self._listed: tuple[float, list[str]] = (-1e9, [])
+        self._resolved: dict[str, tuple[float, tuple[str, str]]] = {}  # model id -> when, (name, version)
         if self.limits.max_adapters:
             async def get_adapter(model_id: str) -> _LoadedAdapter:
                 return await asyncio.to_thread(self._load_adapter, model_id)
@@ -346,7 +362,7 @@ class Chat(_ModelServer):
         """Registered `name` version `version`, an adapter, loaded onto this replica's base (the first
         one loaded brings the base)."""
         client = registry_client(self.tracking_uri, check=False)
-        key = f"{name}/{version}#{next(self._loads)}"  # a load's own name: an evicted copy may still decode
+        key = f"a{next(self._loads)}"  # a load's own name (an evicted copy may still decode; no dots for torch)
         with tempfile.TemporaryDirectory(prefix="flotilla-adapter-") as tmp:
             root = bundle_in_model(download_model(client, name, version, Path(tmp)), f"{name} v{version}")
             with self._opening:
@@ -355,17 +371,34 @@ class Chat(_ModelServer):
                     return self.adapters.first
             return self.adapters.add(root, key)
 
-    def _load_adapter(self, model_id: str) -> _LoadedAdapter:
-        """What `get_adapter` loads for a request's `model`: `NAME` (its champion), `NAME@ALIAS` or
-        `NAME/VERSION` of the registry, an adapter for this replica's base."""
+    def _resolve(self, model_id: str) -> tuple[str, str]:
+        """A request's `model` as (name, version): `NAME` (its champion), `NAME@ALIAS` or `NAME/VERSION`
+        of the registry, checked to be a LoRA adapter for this replica's base before anything loads
+        (a wrong one must not evict a loaded adapter). Aliases are asked again after LISTED_TTL_S."""
+        found = self._resolved.get(model_id)
+        if found is not None and time.monotonic() - found[0] < LISTED_TTL_S:
+            return found[1]
         client = registry_client(self.tracking_uri, check=False)
         text = model_id if ("@" in model_id or "/" in model_id) else f"{model_id}@champion"
         try:
             name, version = resolve_reference(client, parse_model_reference(text, paths=False, command="model"), "model")
-        except (SpecError, TrackingError) as e:
+            tags = client.get_model_version(name, version).tags
+        except (SpecError, TrackingError, MlflowException) as e:
             logger.info("model %r: %s", model_id, redact(str(e)))
             raise ApiError(404, f"The model `{model_id}` does not exist here: no registered model, alias or version "
                                 f"of that name (a model is NAME, NAME@ALIAS or NAME/VERSION)") from None
+        why = _not_an_adapter_for(tags, self.adapters.base["sha256"] if self.adapters else None)
+        if why:
+            raise ApiError(422, f"The model `{model_id}` ({name} v{version}) cannot be served by {self.model_name}'s "
+                                f"replicas: {why}")
+        if len(self._resolved) > 10_000:  # (ids are the callers'; keep what is remembered bounded)
+            self._resolved.clear()
+        self._resolved[model_id] = (time.monotonic(), (name, version))
+        return name, version
+
+    def _load_adapter(self, model_id: str) -> _LoadedAdapter:
+        """What `get_adapter` loads for a request's `model` (resolved by `_resolve`)."""
+        name, version = self._resolve(model_id)
         try:
             bundle = self._onto_base(name, version)
         except BundleError as e:
@@ -374,6 +407,17 @@ class Chat(_ModelServer):
         self.warm_up(bundle, 1)
         return _LoadedAdapter(model_id, name, version, bundle, self.adapters, self._loaded)
 
+    def _switch(self, loaded: _LoadedAdapter, version: str) -> None:
+        """`loaded`'s model id now names `version` (an alias moved: a promotion): load it, let the
+        old one leave once unused."""
+        with loaded.switching:
+            if loaded.version == version:
+                return
+            bundle = self._onto_base(loaded.name, version)
+            self.warm_up(bundle, 1)
+            old, loaded.bundle, loaded.version = loaded.bundle, bundle, version
+            self.adapters.drop(old.adapter)
+
     async def _same_base(self) -> list[str]:
         """Registered models with a version trained on this replica's base (`flotilla.base_sha256`),
         asked again every LISTED_TTL_S: an adapter registered after the deploy is listed too."""
@@ -381,13 +425,23 @@ class Chat(_ModelServer):
         if self.adapters is None or time.monotonic() - at < LISTED_TTL_S:
             return names
 
-        def ask() -> list[str]:
-            client = registry_client(self.tracking_uri, check=False)
-            versions = client.search_model_versions(
-                f"tags.`flotilla.base_sha256` = '{self.adapters.base['sha256']}'", max_results=10_000)
-            return sorted({v.name for v in versions})
+        sha = self.adapters.base["sha256"]
 
-        names = await asyncio.to_thread(ask)
+        def ask() -> list[str]:  # models whose champion this replica can serve
+            client = registry_client(self.tracking_uri, check=False)
+            versions = client.search_model_versions(f"tags.`flotilla.base_sha256` = '{sha}'", max_results=10_000)
+            served = []
+            for name in sorted({v.name for v in versions}):
+                champion = alias_version(client, name, CHAMPION)
+                if champion is not None and not _not_an_adapter_for(client.get_model_version(name, champion).tags, sha):
+                    served.append(name)
+            return served
+
+        try:
+            names = await asyncio.to_thread(ask)
+        except Exception as e:  # the registry is unreachable: what was listed last, asked again later
+            logger.warning("listing the adapters for this base failed: %s", redact(str(e)))
+            return names
         self._listed = (time.monotonic(), names)
         return names
 
@@ -427,7 +481,8 @@ class Chat(_ModelServer):
         about = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flotilla", **self.info()}
         if self.limits.max_adapters:
             about["adapters"] = {"max_per_replica": self.limits.max_adapters,
-                                 "base": self.adapters.base if self.adapters else None,
+                                 "base": {k: self.adapters.base[k] for k in ("pretrained", "sha256")}
+                                 if self.adapters else None,
                                  "loaded": sorted(self._loaded)}  # (this replica's)
         return about
 
@@ -453,9 +508,14 @@ class Chat(_ModelServer):
             version = self.choose(request)
             bundle = self.bundles[version]
             headers = self.headers(version, bundle)
+            if bundle.adapter is not None and self.adapters.hold(bundle.adapter):  # (a new split drops it after)
+                held = bundle.adapter
         elif self.limits.max_adapters:  # another registered model's adapter, on this replica's base
+            name, version = await asyncio.to_thread(self._resolve, body.model)  # (refused before anything loads)
             for _ in range(3):
                 loaded = await self.get_adapter(body.model)
+                if loaded.version != version:  # its alias moved since it was loaded
+                    await asyncio.to_thread(self._switch, loaded, version)
                 if self.adapters.hold(loaded.bundle.adapter):  # (until this request's generation is gone)
                     break
             else:  # evicted each time before it could be used: as many other adapters as requests
@@ -670,6 +730,6 @@ class Chat(_ModelServer):
         self.m_forward.observe((time.perf_counter() - start) * 1000, tags=tags)
         if generation.completion_tokens:
             self.m_tokens.inc(generation.completion_tokens, tags=tags)
-        if generation.done:
+        if generation.done and version in self.bundles:  # (not another model's adapter)
             self.mirror(lambda _, bundle: asyncio.to_thread(lambda: "".join(generation.again(bundle).pieces())),
                         lambda text: float(text == generation.text))

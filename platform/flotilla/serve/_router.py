@@ -18,13 +18,17 @@ unknown one gets OpenAI's 404 (`code: model_not_found`) naming the models there 
 # No `from __future__ import annotations`: Serve's FastAPI views need real annotations (see _server).
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from flotilla.redact import redact, redact_logger
 from flotilla.serve._chat import openai_response
 from flotilla.serve._openai import ChatCompletionRequest, CompletionRequest
 from flotilla.serve._server import ApiError, _api, _body_schema, logger
@@ -33,6 +37,8 @@ ROUTER_APP = "openai"
 ROUTE_PREFIX = "/v1"
 CHAT_DEPLOYMENT = "chat"  # the ingress deployment of every chat application (`build_application`)
 DIRECTORY_TTL_S = 5.0  # how long the router trusts what it found; an unknown model asks again at once
+FRESH_AT_MOST_S = 1.0  # ...but not more often than this (made-up model names must not keep it asking)
+ASK_TIMEOUT_S = 5.0  # an application that does not say what it serves within this keeps what it said last
 
 router_api = _api("Flotilla OpenAI router", "One OpenAI-compatible base URL for every language model served here; "
                   "requests go to the model their `model` field names.", openai_response)
@@ -47,6 +53,7 @@ def _not_found(model: str, served: list[str]) -> ApiError:
 @serve.ingress(router_api)
 class OpenAIRouter:
     def __init__(self, max_body_bytes: int = 1_000_000):
+        redact_logger(logging.getLogger("ray.serve"))  # a URI's secrets never reach the router's log
         self.max_body_bytes = max_body_bytes
         self._models: dict[str, tuple[str, bool]] = {}  # model id -> its application, and whether multiplexed
         self._found_at = -1e9
@@ -55,9 +62,13 @@ class OpenAIRouter:
 
     # ------------------------------------------------------------------ the directory
     async def directory(self, fresh: bool = False) -> dict[str, tuple[str, bool]]:
-        """Which application serves each model, found anew when `fresh` or older than DIRECTORY_TTL_S."""
+        """Which application serves each model: found anew when `fresh` (at most once a second) or
+        older than DIRECTORY_TTL_S. While one request finds it, the others use what was found last."""
+        age = time.monotonic() - self._found_at
+        if age < (FRESH_AT_MOST_S if fresh else DIRECTORY_TTL_S) or (self._lock.locked() and self._models and not fresh):
+            return self._models
         async with self._lock:
-            if fresh or time.monotonic() - self._found_at > DIRECTORY_TTL_S:
+            if time.monotonic() - self._found_at >= FRESH_AT_MOST_S:
                 self._models = await self._find()
                 self._found_at = time.monotonic()
             return self._models
@@ -67,13 +78,18 @@ class OpenAIRouter:
         apps = sorted(name for name, app in status.applications.items()
                       if name != ROUTER_APP and CHAT_DEPLOYMENT in app.deployments
                       and app.status in ("RUNNING", "DEPLOYING", "UNHEALTHY"))  # (an update in place still answers)
-        listed: list[tuple[bool, str, str]] = []  # (multiplexed, application, model)
-        for name in apps:
+
+        async def ask(name: str) -> list[tuple[bool, str, str]]:
             try:
                 handle = await self._handle(name)
-                listed += [(m["multiplexed"], name, m["id"]) for m in await handle.served_models.remote()]
-            except Exception as e:  # redeployed or going away at this instant: asked again next time
-                logger.warning("router: application %s did not say what it serves (%s)", name, e)
+                models = await asyncio.wait_for(handle.served_models.remote(), ASK_TIMEOUT_S)
+                return [(m["multiplexed"], name, m["id"]) for m in models]
+            except Exception as e:  # starting, busy or going away: what it served last, asked again next time
+                logger.warning("router: application %s did not say what it serves (%s)", name,
+                               redact(f"{type(e).__name__}: {e}")[:500])
+                return [(multiplexed, name, model) for model, (app, multiplexed) in self._models.items() if app == name]
+
+        listed = [entry for entries in await asyncio.gather(*(ask(name) for name in apps)) for entry in entries]
         found: dict[str, tuple[str, bool]] = {}
         for multiplexed, app, model in sorted(listed):  # an app's own model wins over another's adapter of it
             if model in found:
@@ -143,12 +159,16 @@ class OpenAIRouter:
                 handle = handle.options(multiplexed_model_id=model)
             parts = handle.routed.remote(path, raw, headers)
             head = await parts.__anext__()
-        except Exception as e:  # the application went away between finding it and asking it
-            logger.warning("router: %s (serving %s) failed a request: %s", app, model, e)
+        except (BackPressureError, DeploymentUnavailableError, RayActorError) as e:  # gone or full: retry
+            logger.warning("router: %s (serving %s) is not answering: %s", app, model, redact(str(e))[:500])
             self._handles.pop(app, None)
             self._found_at = -1e9
             return self._error(ApiError(503, f"the application serving `{model}` is not answering ({type(e).__name__}); "
-                                             "retry shortly"))
+                                             "retry shortly", headers={"Retry-After": "1"}))
+        except Exception as e:  # a fault of the application's: as its own route would answer it
+            logger.error("router: %s (serving %s) failed a request: %s", app, model, redact(str(e))[:2000])
+            return self._error(ApiError(500, f"the application serving `{model}` failed ({type(e).__name__}); see its "
+                                             "replica's log"))
         if head["stream"]:
             async def rest():
                 async for part in parts:
