@@ -22,6 +22,7 @@ refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -132,10 +133,12 @@ class HFBundle:
         """The model's logits for each position of `input_ids` (after prompt tuning's virtual tokens)."""
         if self.prefix is None:
             return self.model(input_ids=input_ids).logits
-        n = len(self.prefix)
-        embeds = torch.cat([self.prefix.expand(input_ids.shape[0], -1, -1),
-                            self.model.get_input_embeddings()(input_ids)], dim=1)
-        return self.model(inputs_embeds=embeds).logits[:, n:]
+        return self.model(inputs_embeds=self._prefixed(input_ids)).logits[:, len(self.prefix):]
+
+    def _prefixed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of prompt tuning's virtual tokens, then of `input_ids`, for each row."""
+        return torch.cat([self.prefix.expand(input_ids.shape[0], -1, -1).to(self.device),
+                          self.model.get_input_embeddings()(input_ids)], dim=1)
 
     def _first(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None, adapters=None):
@@ -145,15 +148,13 @@ class HFBundle:
         if self.prefix is None:
             extra = {} if attention_mask is None else {"attention_mask": attention_mask, "position_ids": position_ids}
             return self._forward(adapters, input_ids=input_ids, use_cache=True, **extra), attention_mask
-        rows, n = input_ids.shape[0], len(self.prefix)
-        embeds = torch.cat([self.prefix.expand(rows, -1, -1).to(self.device),
-                            self.model.get_input_embeddings()(input_ids)], dim=1)
-        mask = torch.ones(rows, n + input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+        n = len(self.prefix)
+        mask = torch.ones(input_ids.shape[0], n + input_ids.shape[1], dtype=torch.long, device=input_ids.device)
         if attention_mask is not None:
             mask[:, n:] = attention_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        return self._forward(adapters, inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                             use_cache=True), mask
+        return self._forward(adapters, inputs_embeds=self._prefixed(input_ids), attention_mask=mask,
+                             position_ids=positions, use_cache=True), mask
 
     def to(self, device: str | torch.device) -> "HFBundle":
         self.model.to(device)
@@ -363,17 +364,25 @@ class TextDecoder:
 # ------------------------------------------------------------------ the base of an adapter
 def base_sha256(directory: str | Path) -> str:
     """The SHA-256 that pins a pretrained model's directory: of its config.json and each weights
-    file (`*.safetensors`, by name), which is what an adapter was trained on top of."""
+    file (`*.safetensors`, by name), which is what an adapter was trained on top of. Each file is
+    read once per process while its size and modification time stay the same (a base of gigabytes
+    is checked at every load of an adapter on it)."""
     import hashlib
-
-    from flotilla.bundle._torch import file_sha256
 
     root = Path(directory)
     files = sorted(root.glob("*.safetensors")) + [root / "config.json"]
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f"{f.name}:{file_sha256(f)}\n".encode())
+        stat = f.stat()
+        digest.update(f"{f.name}:{_file_sha256(str(f.resolve()), stat.st_size, stat.st_mtime_ns)}\n".encode())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from flotilla.bundle._torch import file_sha256
+
+    return file_sha256(path)
 
 
 def base_directory(model_spec: dict[str, Any]) -> Path | None:

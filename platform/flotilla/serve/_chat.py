@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
 from fastapi import Request
-from mlflow.exceptions import MlflowException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
+from mlflow.exceptions import MlflowException
 from ray import serve
+from starlette.datastructures import Headers
 
 from flotilla.bundle import AdapterSet, TextDecoder
 from flotilla.errors import BundleError, SpecError, TrackingError
@@ -55,7 +55,8 @@ from flotilla.serve._openai import (
 )
 from flotilla.serve._replica_config import ReplicaConfig
 from flotilla.serve._schemas import ErrorField
-from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, ApiError, _api, _body_schema, _ModelServer, logger
+from flotilla.serve._server import (RUNTIME_HEADER, VERSION_HEADER, ApiError, _api, _body_schema, _by_version,
+                                    _ModelServer, logger)
 from flotilla.track import (CHAMPION, alias_version, bundle_in_model, download_model, parse_model_reference,
                             registry_client, resolve_reference)
 
@@ -272,10 +273,7 @@ def _finish(generation: _Generation) -> Iterator[str]:
 def _by_model(items: list[tuple[str, Any, "_Generation"]]) -> dict[int, list[int]]:
     """The positions of a batch's items by the model they run on: a version's own, or the base that
     a replica's adapters share (those decode together, each row with its adapter)."""
-    groups: dict[int, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(id(item[1].model), []).append(i)
-    return groups
+    return _by_version(items, key=lambda item: id(item[1].model))
 
 
 def _not_an_adapter_for(tags: dict[str, str], base_sha256: str | None) -> str:
@@ -632,7 +630,6 @@ class Chat(_ModelServer):
         results: list[str | Exception] = [""] * len(items)
         for idx in _by_model(items).values():
             bundle, generations = items[idx[0]][1], [items[i][2] for i in idx]
-
             if len(generations) > 1:
                 texts = await asyncio.to_thread(decode_together, bundle, generations)
             else:
@@ -648,8 +645,9 @@ class Chat(_ModelServer):
         each group of one version decodes in one forward pass per token in a thread of its own
         (`stream_together`), each token sent on to its stream as soon as it is decoded. Returns
         when every row has ended."""
-        groups = [(items[idx[0]][0], items[idx[0]][1], [items[i][2] for i in idx]) for idx in _by_model(items).values()]
+        groups = []
         for idx in _by_model(items).values():
+            groups.append((items[idx[0]][0], items[idx[0]][1], [items[i][2] for i in idx]))
             self._observe_batch([items[i][0] for i in idx])
 
         loop = asyncio.get_running_loop()

@@ -25,7 +25,7 @@ from flotilla.spec import RunSpec, ServeSpec
 from flotilla.track import (CANDIDATE, CHAMPION, alias_version, model_file, registered_bundle_file, registered_variants,
                             registry_client, set_alias)
 from flotilla.serve._replica_config import ReplicaConfig, ReplicaLimits, ShadowTarget
-from flotilla.serve._chat import Chat
+from flotilla.serve._chat import Chat, _not_an_adapter_for
 from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, Classifier, Generator
 
 APP_KINDS = {"classifier": Classifier, "generator": Generator, "chat": Chat}
@@ -143,16 +143,12 @@ def _check_adapters(client, name: str, versions: set[str], kinds: dict[str, str]
                          "fine-tuned language models (`model.kind: hf_causal_lm`)")
     if s.runtime != "torch":
         raise ServeError(f"{where}: adapters on one base run in torch; `--set serve.runtime=torch`")
-    tags = {v: client.get_model_version(name, v).tags for v in versions}
-    prompt = sorted((v for v in versions if tags[v].get("flotilla.adapter") == "prompt"), key=int)
-    if prompt:
-        raise ServeError(f"{where}: {name} v{', v'.join(prompt)} is prompt tuning (virtual tokens), which a replica "
-                         "serves one version at a time; `--set serve.adapters.max_per_replica=0`")
-    whole = sorted((v for v in versions if tags[v].get("flotilla.form") != "adapter"), key=int)
-    if whole:
-        raise ServeError(f"{where}: {name} v{', v'.join(whole)} holds a whole model, not an adapter on a pinned base "
-                         "(trained with `model.lora.merge: true`, or not LoRA); serve it with "
-                         "`--set serve.adapters.max_per_replica=0`, or train with `model.lora.merge: false`")
+    refused = {v: why for v in sorted(versions, key=int)
+               if (why := _not_an_adapter_for(client.get_model_version(name, v).tags, None))}
+    if refused:
+        raise ServeError(f"{where}: " + "; ".join(f"{name} v{v}: {why}" for v, why in refused.items()) +
+                         "; serve it with `--set serve.adapters.max_per_replica=0` (LoRA versions trained with "
+                         "`model.lora.merge: false` are adapters)")
 
 
 def _check_runtime(client, name: str, versions: set[str], runtime: str) -> None:

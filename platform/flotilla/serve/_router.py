@@ -31,7 +31,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from flotilla.redact import redact, redact_logger
 from flotilla.serve._chat import openai_response
 from flotilla.serve._openai import ChatCompletionRequest, CompletionRequest
-from flotilla.serve._server import ApiError, _api, _body_schema, logger
+from flotilla.serve._server import ApiError, _api, _body_schema, logger, read_limited
 
 ROUTER_APP = "openai"
 ROUTE_PREFIX = "/v1"
@@ -141,7 +141,7 @@ class OpenAIRouter:
 
     async def _route(self, request: Request, path: str) -> Response:
         try:
-            raw = await self._body(request)
+            raw = await read_limited(request, self.max_body_bytes)
             model = self._model_of(raw)
             name = model.split("@", 1)[0].split("/", 1)[0]  # NAME@ALIAS and NAME/VERSION go where NAME does
             served = await self.directory()
@@ -177,19 +177,6 @@ class OpenAIRouter:
                                      media_type=head["media_type"])
         body = b"".join([part async for part in parts])
         return Response(body, status_code=head["status"], headers=head["headers"], media_type=head["media_type"])
-
-    async def _body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        limit = self.max_body_bytes
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     @staticmethod
     def _model_of(raw: bytes) -> str:

@@ -285,17 +285,7 @@ class _ModelServer:
             sent = "untyped (no Content-Type header)" if kind is None else kind.split(";")[0].strip() or "untyped"
             raise ApiError(415, f"request body is {sent}; send JSON with the header "
                                 "`Content-Type: application/json`")
-        declared = request.headers.get("content-length")
-        limit = self.limits.max_body_bytes
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():  # a chunked body declares no length: count as it arrives
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        raw = await read_limited(request, self.limits.max_body_bytes)
         if len(raw) > PARSE_ON_LOOP_BYTES:
             return await asyncio.to_thread(self._parse, raw, schema)
         return self._parse(raw, schema)
@@ -365,12 +355,27 @@ def _check_finite(out: dict[str, list]) -> None:
                        "output is not a finite number; their values are far outside the data it was trained on", fields)
 
 
-def _by_version(items: list[tuple]) -> dict[str, list[int]]:
-    """The positions of a batch's items (version first), by version."""
-    by_version: dict[str, list[int]] = {}
+def _by_version(items: list[tuple], key: Callable[[tuple], Any] = lambda item: item[0]) -> dict[Any, list[int]]:
+    """The positions of a batch's items (version first), by version (or by `key` of each item)."""
+    groups: dict[Any, list[int]] = {}
     for i, item in enumerate(items):
-        by_version.setdefault(item[0], []).append(i)
-    return by_version
+        groups.setdefault(key(item), []).append(i)
+    return groups
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """A request's body, refused with 413 past `limit` bytes: by its declared length before reading,
+    and as it arrives (a chunked body declares none)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; this endpoint accepts at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over {limit} bytes; this endpoint accepts at most {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _settle(done: asyncio.Future, result: Any = None, exception: Exception | None = None) -> None:
