@@ -42,7 +42,11 @@ _TABLE: dict[str, tuple[Metric, ...]] = {
                    Metric("train_loss", "min", ".4f"), Metric("train_rmse", "min", ".4f")),
     "lm": (Metric("val_perplexity", "min", ".2f"), Metric("val_loss", "min", ".4f"),
            Metric("train_loss", "min", ".4f"), Metric("train_perplexity", "min", ".2f"),
-           Metric("tokens_per_s", "max", ".0f"), Metric("mfu", "max", ".3f")),
+           Metric("tokens_per_s", "max", ".0f"), Metric("mfu", "max", ".3f"),
+           # `train.objective: dpo` (val_perplexity then is that of the chosen answers)
+           Metric("val_preference_accuracy", "max", ".4f"), Metric("val_reward_accuracy", "max", ".4f"),
+           Metric("val_reward_margin", "max", ".4f"), Metric("val_reference_preference_accuracy", "max", ".4f"),
+           Metric("train_preference_accuracy", "max", ".4f")),
 }
 # Reported by every task, never a gate's subject: throughput and time.
 _OTHER = (Metric("samples_per_s", "max", ".0f"), Metric("epoch_time_s", "min", ".1f"),

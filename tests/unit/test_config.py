@@ -72,6 +72,23 @@ def test_cross_field_rules_name_the_flags():
         load_spec(None, ["model.kind=transformer"])
 
 
+def test_preference_tuning_says_what_it_needs():
+    with pytest.raises(SpecError, match=r"`train.objective: dpo` tunes a pretrained language model .* `model.kind: mlp` "
+                                        r"trains with `sft` only"):
+        load_spec(None, ["train.objective=dpo"])
+    with pytest.raises(SpecError, match=r"`model.adaptation: freeze` has no adapter to disable .* "
+                                        r"`--set model.adaptation=lora`"):
+        load_spec("configs/instruct_dpo.yaml", ["model.adaptation=freeze"])
+    with pytest.raises(SpecError, match=r"`data.source: arith` has none: `--set data.source=arith-pairs`"):
+        load_spec("configs/instruct_dpo.yaml", ["data.source=arith"])
+    with pytest.raises(SpecError, match=r"`data.source: arith-pairs` holds preference pairs.*`--set train.objective=dpo`"):
+        load_spec("configs/instruct_lora.yaml", ["data.source=arith-pairs"])
+    with pytest.raises(SpecError, match=r"`train.dpo.beta`.*greater than 0"):
+        load_spec("configs/instruct_dpo.yaml", ["train.dpo.beta=0"])
+    spec = load_spec("configs/instruct_dpo.yaml", ["model.adaptation=prompt", "track.gate.require=[val_reward_margin > 0.1]"])
+    assert (spec.train.objective, spec.train.dpo.beta, load_spec(None).train.dpo.beta) == ("dpo", 0.5, 0.1)
+
+
 def test_missing_config_file_names_it(tmp_path):
     with pytest.raises(SpecError, match="nope.yaml' does not exist"):
         load_spec(tmp_path / "nope.yaml")

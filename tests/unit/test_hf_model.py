@@ -135,3 +135,64 @@ def test_remote_code_is_refused_unless_the_spec_opts_in(tiny_llama, tmp_path):
     (remote / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=r"needs code of its own .*`--set model.trust_remote_code=true`"):
         build_hf_causal_lm(spec(str(remote)))
+
+
+@pytest.mark.parametrize("adaptation", ["lora", "prompt"])
+def test_the_reference_is_the_base_with_the_adapter_disabled(tiny_llama, adaptation):
+    """DPO's reference without a second copy: inside `reference()` the model computes exactly what its
+    pretrained base computes (no LoRA update, no virtual tokens), in eval mode; outside, the adapted model."""
+    torch.manual_seed(0)
+    model = build_hf_causal_lm(spec(tiny_llama, adaptation=adaptation, prompt_tuning={"num_virtual_tokens": 4}))
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # a trained-looking adapter (LoRA's B starts at zero)
+            p.data.normal_(0, 0.5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    ids = torch.randint(0, 500, (2, 12))
+    model.train()
+    with torch.no_grad():
+        adapted = model(ids)
+        with model.reference() as reference:
+            assert not reference.training
+            same = reference(ids)
+        expected = base(input_ids=ids).logits
+    assert model.training  # restored
+    assert adapted.shape == same.shape == expected.shape
+    assert torch.allclose(same, expected, atol=1e-5) and not torch.allclose(adapted, expected, atol=1e-3)
+    with pytest.raises(ModelError, match="has no adapter"):
+        with build_hf_causal_lm(spec(tiny_llama, adaptation="full")).reference():
+            pass
+
+
+def test_dpo_loss_is_log_2_at_the_start_and_reaches_the_adapter_alone(tiny_llama):
+    """`_preference`, on a model whose LoRA update is still zero: the model is its reference, so every
+    pair's margin is 0 and its loss log 2; the gradient reaches the adapters only, and the pair sums are
+    those computed by hand from the base model's token log-probabilities."""
+    import math
+
+    from flotilla.data._instruct import IGNORE
+    from flotilla.train._loop import _preference
+
+    torch.manual_seed(0)
+    model = build_hf_causal_lm(spec(tiny_llama))
+
+    class Engine:  # what `_preference` uses of a DeepSpeed engine: its module, and calling it
+        module = model
+
+        def __call__(self, inputs):
+            return model(inputs)
+
+    ids = torch.randint(0, 500, (3, 2, 10))
+    labels = torch.full_like(ids, IGNORE)
+    labels[..., 5:9] = ids[..., 6:10]  # a 4-token answer
+    losses, sums = _preference(Engine(), ids, labels, beta=0.5)
+    assert losses.shape == (3,) and torch.allclose(losses, torch.full((3,), math.log(2)))
+    assert sums["rewarded"] == 0 and sums["margin"] == 0 and sums["chosen_tokens"] == 12
+    losses.mean().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(".lora_" in n for n in grads)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    with torch.no_grad():
+        logps = base(input_ids=ids.flatten(0, 1)).logits.log_softmax(-1)
+    answer = logps[:, 5:9].gather(-1, ids.flatten(0, 1)[:, 6:10, None]).squeeze(-1).sum(-1).view(3, 2)
+    assert sums["preferred"] == sums["reference_preferred"] == float((answer[:, 0] > answer[:, 1]).sum())
+    assert sums["chosen_nll"] == pytest.approx(float(-answer[:, 0].sum()), rel=1e-5)

@@ -129,3 +129,48 @@ def test_the_cache_estimate_counts_padded_token_windows():
     assert windows_bytes(10_000, 2_000_000, 2048, "prompt_response") == 10_000 * 2048 * 16
     # Packed text: at most one token per input byte, whatever the row count.
     assert windows_bytes(3, 2_000_000, 2048, "text") == 2_000_000 * 16
+
+
+def test_preference_pairs_become_a_chosen_and_a_rejected_window(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    assert detect_format(["prompt", "chosen", "rejected", "id"]) == "preference"
+    windows = TokenWindows(tiny_llama, context=48)
+    chat_prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    import json
+
+    out = windows(pd.DataFrame({
+        "prompt": ["What is 2 plus 3?", json.dumps(chat_prompt), "x " * 60],
+        "chosen": ["5", json.dumps([{"role": "assistant", "content": "4"}]), "cut off"],
+        "rejected": ["6", "five", "cut off too"],
+    }))
+    # (pairs, 2, context): the third pair's prompt fills the window, so neither answer has a token left
+    assert out[INPUT_IDS].shape == out[LABELS].shape == (2, 2, 48)
+    flat = {k: v.reshape(4, 48) for k, v in out.items()}
+    assert [answer_of(flat, i, tok) for i in range(4)] == ["5<|im_end|>\n", "6<|im_end|>\n", "4<|im_end|>\n",
+                                                           "five<|im_end|>\n"]
+    # the two windows of a pair share the prompt's tokens: only the answers differ
+    same = out[INPUT_IDS][0, 0] == out[INPUT_IDS][0, 1]
+    first_answer = np.flatnonzero(out[LABELS][0, 0] != IGNORE)[0]
+    assert same[: first_answer + 1].all() and not same.all()
+    system = tok.decode(out[INPUT_IDS][1, 0])
+    assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>")  # a chat prompt keeps its turns
+    # plain prompts end each answer with eos, as prompt/response rows do
+    plain = TokenWindows(tiny_llama, context=32, chat="plain")({"prompt": np.array(["Q: 1+1?\nA:"]),
+                                                               "chosen": np.array([" 2"]), "rejected": np.array([" 3"])})
+    flat = {k: v.reshape(2, 32) for k, v in plain.items()}
+    assert [answer_of(flat, i, tok) for i in range(2)] == [" 2<|im_end|>", " 3<|im_end|>"]
+
+
+def test_preference_data_and_the_objective_must_agree():
+    from flotilla.data._prepare import _check_objective, windows_bytes
+    from flotilla.spec import load_spec
+
+    dpo = load_spec("configs/instruct_dpo.yaml", ["data.source=pairs.jsonl"])
+    with pytest.raises(DataError, match=r"objective: dpo` learns from preference pairs, and 'chats.jsonl' has columns "
+                                        r"messages: it needs `prompt`, `chosen` and `rejected`"):
+        _check_objective(dpo, "messages", "chats.jsonl", ["messages"])
+    sft = load_spec("configs/instruct_lora.yaml", ["data.source=pairs.jsonl"])
+    with pytest.raises(DataError, match=r"'pairs.jsonl' holds preference pairs .*`--set train.objective=dpo`"):
+        _check_objective(sft, "preference", "pairs.jsonl", ["prompt", "chosen", "rejected"])
+    _check_objective(dpo, "preference", "pairs.jsonl", ["prompt", "chosen", "rejected"])
+    assert windows_bytes(10, 0, 48, "preference") == 2 * windows_bytes(10, 0, 48, "prompt_response")

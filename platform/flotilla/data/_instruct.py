@@ -1,18 +1,22 @@
 """Rows → token windows for a pretrained causal LM (`model.kind: hf_causal_lm`), with a loss mask.
 
-Three row formats, told apart by their columns (`detect_format`):
+Four row formats, told apart by their columns (`detect_format`):
     prompt, response   one instruction and its answer; loss on the answer (and the eos after it)
     messages           a chat: a list of {role, content}, rendered with the tokenizer's chat
                        template; loss on every assistant turn (with the tokens that end it)
     text               plain text, packed: documents joined by eos and cut into full windows;
                        loss on every token
+    prompt, chosen,    a preference pair (`train.objective: dpo`): the prompt with each answer, as
+    rejected           two windows of the prompt_response kind. The prompt may be a chat (a list
+                       of {role, content}) and each answer a string or a list of assistant turns.
 
 `TokenWindows` is a Ray Data batch function (`ds.map_batches(TokenWindows(...))`): a pandas
 DataFrame or a dict of numpy arrays in, a dict of numpy arrays out, no Ray needed to call it.
 It carries the pretrained directory (or hub id), not a tokenizer: each Ray Data worker loads the
 tokenizer itself, once per process.
 
-Output, every row exactly `context` long (fixed shapes batch without collation):
+Output, every row exactly `context` long (fixed shapes batch without collation); preference rows
+are (n, 2, context): the chosen answer's window, then the rejected one's:
     input_ids  int64 (n, context)   padded on the right with the pad token (eos where none)
     labels     int64 (n, context)   ALREADY SHIFTED: labels[t] is the token input_ids[t] must
                                     predict (input_ids[t + 1] of the unpadded row), or IGNORE
@@ -37,21 +41,26 @@ from flotilla.models._hf_tiny import resolve_pretrained
 
 INPUT_IDS, LABELS = "input_ids", "labels"
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
-FORMATS = ("prompt_response", "messages", "text")
+FORMATS = ("prompt_response", "messages", "text", "preference")
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 def detect_format(columns: Iterable[str]) -> str:
-    """The row format a set of columns holds: `messages`, then `prompt` + `response`, then `text`."""
+    """The row format a set of columns holds: `messages`, then `prompt` + `chosen` + `rejected`, then
+    `prompt` + `response`, then `text`."""
     columns = set(columns)
     if "messages" in columns:
         return "messages"
+    if set(PREFERENCE_COLUMNS) <= columns:
+        return "preference"
     if {"prompt", "response"} <= columns:
         return "prompt_response"
     if "text" in columns:
         return "text"
     raise DataError(f"the data has columns {', '.join(sorted(columns)) or '(none)'}; fine-tuning a pretrained "
                     "language model needs `prompt` and `response` (instructions), `messages` (chats: lists of "
-                    "{role, content}) or `text` (plain text)")
+                    "{role, content}), `text` (plain text), or `prompt`, `chosen` and `rejected` (preference pairs, "
+                    "for `train.objective: dpo`)")
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,6 +101,8 @@ class TokenWindows:
             rows = self._packed(_column(batch, "text"))
         elif fmt == "messages":
             rows = [self._chat(_messages(m)) for m in _column(batch, "messages")]
+        elif fmt == "preference":
+            return self._pairs(batch)
         else:
             pairs = zip(_column(batch, "prompt"), _column(batch, "response"))
             if self._use_chat():
@@ -102,6 +113,27 @@ class TokenWindows:
         return self._pad([row for row in rows if row is not None])
 
     # ------------------------------------------------------------------ formats
+    def _pairs(self, batch: pd.DataFrame | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Preference rows → (n, 2, context) windows: [chosen, rejected]. A pair either of whose windows
+        has no answer token left after the cut is dropped (there is nothing to compare)."""
+        rows = []
+        for prompt, *answers in zip(*(_column(batch, name) for name in PREFERENCE_COLUMNS)):
+            pair = [self._answered(prompt, answer) for answer in answers]
+            if None not in pair:
+                rows += pair
+        out = self._pad(rows)
+        return {k: v.reshape(-1, 2, self.context) for k, v in out.items()}
+
+    def _answered(self, prompt: Any, answer: Any) -> tuple[list[int], list[bool]] | None:
+        """One prompt and one answer as a window, loss on the answer: a chat (`prompt` a list of turns, or
+        the tokenizer's template in use) or plain text."""
+        turns, reply = _turns(prompt), _turns(answer)
+        if turns is None and reply is None and not self._use_chat():
+            return self._plain(str(prompt), str(answer))
+        turns = turns if turns is not None else [{"role": "user", "content": str(prompt)}]
+        reply = reply if reply is not None else [{"role": "assistant", "content": str(answer)}]
+        return self._chat(turns + reply)
+
     def _use_chat(self) -> bool:
         if self.chat == "auto":
             return bool(self.tokenizer.chat_template)
@@ -179,6 +211,25 @@ def _column(batch: pd.DataFrame | dict[str, np.ndarray], name: str) -> list[Any]
     if name not in batch:
         raise DataError(f"the rows have no `{name}` column; they have {', '.join(map(str, batch.keys()))}")
     return list(batch[name])
+
+
+def _turns(value: Any) -> list[dict[str, str]] | None:
+    """A preference cell as chat turns when it is one (a list of {role, content}, or that as JSON text),
+    else None: plain text."""
+    text = isinstance(value, str)
+    if text:
+        if not value.lstrip().startswith("["):
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    try:
+        return _messages(value)
+    except DataError:
+        if text:  # text that only looks like JSON
+            return None
+        raise
 
 
 def _messages(value: Any) -> list[dict[str, str]]:

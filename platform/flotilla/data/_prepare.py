@@ -16,7 +16,7 @@ from ray.data.context import ShuffleStrategy
 
 from flotilla.spec import GPTSpec, HFCausalLMSpec, RunSpec
 from flotilla.data._fingerprint import fingerprint
-from flotilla.data._instruct import TokenWindows, detect_format, load_tokenizer
+from flotilla.data._instruct import PREFERENCE_COLUMNS, TokenWindows, detect_format, load_tokenizer
 from flotilla.data._schema import DataSchema
 from flotilla.data._columns import Column, block_stats, fit_columns, merge_stats, plan_columns, stats_row
 from flotilla.data._preprocess import VOCAB_SIZE, ByteWindows, to_json
@@ -84,10 +84,13 @@ def prepare_data(spec: RunSpec) -> PreparedData:
         if d.text_column != "text" and d.text_column in columns and "text" not in columns:
             ds, columns = ds.rename_columns({d.text_column: "text"}), [("text" if c == d.text_column else c) for c in columns]
         row_format = detect_format(columns)
-        keep = {"messages": ["messages"], "prompt_response": ["prompt", "response"], "text": ["text"]}[row_format]
+        _check_objective(spec, row_format, source.description, columns)
+        keep = {"messages": ["messages"], "prompt_response": ["prompt", "response"], "text": ["text"],
+                "preference": list(PREFERENCE_COLUMNS)}[row_format]
         ds = ds.select_columns(keep)
-        if row_format == "messages":  # lists of {role, content}: as JSON text, which rows can be hashed by (the split)
-            ds = ds.map_batches(_messages_as_json, batch_format="pandas")
+        if row_format in ("messages", "preference"):
+            # lists of {role, content}: as JSON text, which rows can be hashed by (the split)
+            ds = ds.map_batches(_turns_as_json, batch_format="pandas", fn_kwargs={"columns": keep})
     elif text:
         if d.text_column not in columns:
             raise DataError(
@@ -207,13 +210,25 @@ class _PretrainedWindows:
         return ds.map_batches(self.windows, batch_format="pandas", batch_size=4096)
 
 
-def _messages_as_json(df: pd.DataFrame) -> pd.DataFrame:
+def _check_objective(spec: RunSpec, row_format: str, where: str, columns: list[str]) -> None:
+    """Preference pairs are what `train.objective: dpo` learns from, and only it."""
+    dpo = spec.train.objective == "dpo"
+    if dpo and row_format != "preference":
+        raise DataError(f"`train.objective: dpo` learns from preference pairs, and {where!r} has columns "
+                        f"{', '.join(columns)}: it needs `prompt`, `chosen` and `rejected` (an answer preferred to "
+                        "another), or `--set train.objective=sft` to learn its rows as they are")
+    if not dpo and row_format == "preference":
+        raise DataError(f"{where!r} holds preference pairs (`prompt`, `chosen`, `rejected`): `--set train.objective=dpo` "
+                        "learns from them; to fine-tune on the chosen answers alone, give them as `prompt`/`response`")
+
+
+def _turns_as_json(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     def as_json(cell: Any) -> str:
         if isinstance(cell, str):
             return cell
         return json.dumps([{k: (str(v) if v is not None else None) for k, v in dict(m).items()} for m in cell])
 
-    return df.assign(messages=df["messages"].map(as_json))
+    return df.assign(**{name: df[name].map(as_json) for name in columns})
 
 
 def _one_pass(ds: ray.data.Dataset, columns: list[Column], label: str, classes: bool, seed: int,
@@ -302,10 +317,11 @@ _WINDOW_BYTES_PER_TOKEN = 16
 
 def windows_bytes(rows: int, input_bytes: int, context: int, row_format: str) -> int:
     """What the token windows of a pretrained model's data take, estimated: one window of `context`
-    positions per prompt/response or chat row; packed text at most one token per input byte."""
+    positions per prompt/response or chat row, two per preference pair; packed text at most one token
+    per input byte."""
     if row_format == "text":
         return input_bytes * _WINDOW_BYTES_PER_TOKEN
-    return rows * context * _WINDOW_BYTES_PER_TOKEN
+    return rows * context * _WINDOW_BYTES_PER_TOKEN * (2 if row_format == "preference" else 1)
 
 
 def _windows_fit(rows: int, input_bytes: int, context: int, row_format: str) -> bool:

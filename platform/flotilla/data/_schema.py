@@ -35,7 +35,7 @@ class DataSchema(BaseModel):
     text_column: Optional[str] = None  # byte-level `gpt`: the text column
     # pretrained models (`hf_causal_lm`): rows become `input_ids` and shifted `labels` (a loss mask)
     tokenizer: Optional[str] = None  # `model.pretrained`: where the tokenizer loads from
-    row_format: Optional[Literal["prompt_response", "messages", "text"]] = None
+    row_format: Optional[Literal["prompt_response", "messages", "text", "preference"]] = None
 
     @model_validator(mode="after")
     def _fields_of_the_task(self) -> "DataSchema":
@@ -53,6 +53,11 @@ class DataSchema(BaseModel):
     def masked(self) -> bool:
         """Token windows with a loss mask (a pretrained model's `input_ids` and `labels`), not byte windows."""
         return self.tokenizer is not None
+
+    @property
+    def pairs(self) -> bool:
+        """Preference pairs: `input_ids` and `labels` of (rows, 2, context), the chosen answer first."""
+        return self.row_format == "preference"
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form: what model factories receive and model.json holds."""

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from flotilla._cache import cache_dir
 from flotilla.errors import DataError
 
-BUILTIN_SOURCES = ("digits", "pycode", "arith")
+BUILTIN_SOURCES = ("digits", "pycode", "arith", "arith-pairs")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 _GLOB_CHARS = set("*?[")
 
@@ -41,6 +41,8 @@ def resolve_source(source: str, fmt: str = "auto", max_bytes: int | None = None)
         return ResolvedSource("pycode", [str(_write_pycode(max_bytes))], pafs.LocalFileSystem(), "parquet")
     if source == "arith":
         return ResolvedSource("arith", [str(_write_arith())], pafs.LocalFileSystem(), "parquet")
+    if source == "arith-pairs":
+        return ResolvedSource("arith-pairs", [str(_write_arith_pairs())], pafs.LocalFileSystem(), "parquet")
 
     fs, base = filesystem_for(source)
     if _GLOB_CHARS & set(base):
@@ -170,3 +172,26 @@ def _write_arith(rows: int = 2000) -> Path:
         prompts.append(f"What is {a} {word} {b}?")
         responses.append(f"{a} {word} {b} is {value}.")
     return _atomic_write_parquet(pa.table({"prompt": prompts, "response": responses}), path)
+
+
+def _write_arith_pairs(rows: int = 2000) -> Path:
+    """`arith`'s questions as preference pairs: `prompt`, `chosen` (the right answer) and `rejected` (the
+    same sentence with another operation's result, the mistake of a reader who took the wrong operation;
+    off by 1 to 10 where every operation gives the same number)."""
+    path = cache_dir() / "datasets" / f"arith-pairs-{rows}.parquet"
+    if path.exists():
+        return path
+    import random
+
+    rng = random.Random(0)
+    ops = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+    prompts, chosen, rejected = [], [], []
+    for _ in range(rows):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        word = rng.choice(list(ops))
+        value = ops[word](a, b)
+        wrong = {ops[other](a, b) for other in ops} - {value} or {value + rng.choice([-1, 1]) * rng.randint(1, 10)}
+        prompts.append(f"What is {a} {word} {b}?")
+        chosen.append(f"{a} {word} {b} is {value}.")
+        rejected.append(f"{a} {word} {b} is {rng.choice(sorted(wrong))}.")
+    return _atomic_write_parquet(pa.table({"prompt": prompts, "chosen": chosen, "rejected": rejected}), path)

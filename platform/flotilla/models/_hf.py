@@ -14,6 +14,7 @@ never need them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -51,12 +52,31 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.spec = spec
+        self._as_reference = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # No KV cache in training: it would only hold memory the backward pass needs.
         logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         # Prompt tuning puts its virtual tokens first (peft): the inputs' own logits follow them.
-        return logits[:, self.virtual_tokens:] if self.virtual_tokens else logits
+        skip = 0 if self._as_reference else self.virtual_tokens
+        return logits[:, skip:] if skip else logits
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Within it, the model is the one training started from: the base with the adapter disabled
+        (peft's `disable_adapter`), in eval mode (no dropout). DPO's reference, without a second copy."""
+        if not self.is_adapter:
+            raise ModelError("a reference model is the base with the adapter disabled; "
+                             f"`adaptation: {self.spec.get('adaptation')}` has no adapter")
+        training = self.training
+        self.eval()
+        self._as_reference = True
+        try:
+            with self.hf.disable_adapter():
+                yield self
+        finally:
+            self._as_reference = False
+            self.train(training)
 
     @property
     def is_lora(self) -> bool:
@@ -219,12 +239,13 @@ def _add_prompt(hf: nn.Module, spec: dict[str, Any]) -> nn.Module:
                                 prompt_tuning_init_text=text or None,
                                 tokenizer_name_or_path=_source(spec) if text else None)
     embeddings = hf.get_input_embeddings().weight
-    if text and hasattr(embeddings, "ds_id"):  # ZeRO-3: the text's embeddings are read from the whole table
-        import deepspeed
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # (as in `_add_lora`)
+        if text and hasattr(embeddings, "ds_id"):  # ZeRO-3: the text's embeddings are read from the whole table
+            import deepspeed
 
-        with deepspeed.zero.GatheredParameters([embeddings], modifier_rank=None):
-            return get_peft_model(hf, config)
-    return get_peft_model(hf, config)
+            stack.enter_context(deepspeed.zero.GatheredParameters([embeddings], modifier_rank=None))
+        return get_peft_model(hf, config)
 
 
 def _freeze(hf: nn.Module, prefixes: list[str]) -> None:

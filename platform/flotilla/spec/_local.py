@@ -19,7 +19,7 @@ from flotilla.spec._sections import HFCausalLMSpec, RunSpec
 # The built-in names, which are not paths. The same as flotilla.data.BUILTIN_SOURCES and
 # flotilla.models._hf_tiny.BUILTIN_MODELS (a test keeps them equal; importing those here would
 # import Ray and torch).
-BUILTIN_SOURCES = ("digits", "pycode", "arith")
+BUILTIN_SOURCES = ("digits", "pycode", "arith", "arith-pairs")
 BUILTIN_MODELS = ("tiny-llama",)
 _GLOB_CHARS = set("*?[")
 

@@ -61,8 +61,9 @@ class DataSpec(_Section):
 
     source: str = Field(
         "digits",
-        description="`digits`, `pycode` or `arith` (built-in samples that need no download: digit images, Python "
-        "source text, arithmetic instructions with `prompt`/`response`), or a Parquet/CSV/JSON Lines "
+        description="`digits`, `pycode`, `arith` or `arith-pairs` (built-in samples that need no download: digit "
+        "images, Python source text, arithmetic instructions with `prompt`/`response`, and the same questions as "
+        "preference pairs, `prompt`/`chosen`/`rejected`, a right and a wrong answer), or a Parquet/CSV/JSON Lines "
         "file, directory or glob: a local path or a pyarrow filesystem URI such as `s3://bucket/prefix/`.",
     )
     format: Literal["auto", "parquet", "csv", "json"] = Field(
@@ -257,6 +258,18 @@ ModelSpec = Annotated[Union[MLPSpec, GPTSpec, HFCausalLMSpec, CustomModelSpec], 
 
 
 # ---------------------------------------------------------------------------- train
+class DPOSpec(_Section):
+    """Direct Preference Optimization (Rafailov et al. 2023), with `train.objective: dpo`: on pairs of answers to
+    one prompt, the model learns to raise the chosen answer's likelihood against the rejected one's, each
+    measured relative to a frozen reference (the model before training: for an adapter, the base with the
+    adapter disabled, so no second copy is held)."""
+
+    beta: float = Field(
+        0.1, gt=0, description="How far the model may move from the reference: the scale of the implicit reward "
+        "`beta * log(model / reference)` (smaller: further)."
+    )
+
+
 class CommSpec(_Section):
     """How the workers' gradients travel between them at each optimizer step."""
 
@@ -359,6 +372,13 @@ class TrainSpec(_Section):
     )
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="What a language model learns. `sft`: to predict the responses (or text) it is given, "
+        "token by token (every model kind trains this way). `dpo`: to prefer the chosen answer of each "
+        "`prompt`/`chosen`/`rejected` row to the rejected one (`hf_causal_lm` with `adaptation: lora` or `prompt`; "
+        "see `train.dpo`)."
+    )
+    dpo: DPOSpec = Field(default_factory=DPOSpec, description="Preference tuning, with `objective: dpo`.")
     comm: CommSpec = Field(default_factory=CommSpec, description="How gradients travel between the workers.")
     offload_optimizer: Literal["none", "cpu"] = Field(
         "none", description="ZeRO-Offload of optimizer state to CPU memory (stages 1-3, GPU training)."
@@ -692,7 +712,23 @@ class RunSpec(_Section):
         if isinstance(self.model, HFCausalLMSpec) and self.data.source == "digits":
             raise ValueError("`model.kind: hf_causal_lm` fine-tunes on text, instructions or chats: `--set data.source=arith` "
                              "(built-in instructions), or a file with `prompt`/`response`, `messages` or `text` columns")
-        if isinstance(self.model, MLPSpec) and self.data.source in ("pycode", "arith"):
+        if self.train.objective == "dpo":
+            if not isinstance(self.model, HFCausalLMSpec):
+                raise ValueError(f"`train.objective: dpo` tunes a pretrained language model on preference pairs; "
+                                 f"`model.kind: {self.model.kind}` trains with `sft` only: `--set model.kind=hf_causal_lm` "
+                                 "or `--set train.objective=sft`")
+            if self.model.adaptation not in ("lora", "prompt"):
+                raise ValueError(f"`train.objective: dpo` measures the model against its reference, the base with the "
+                                 f"adapter disabled; `model.adaptation: {self.model.adaptation}` has no adapter to "
+                                 "disable (a second copy of the model would be needed): `--set model.adaptation=lora`")
+            if self.data.source in ("arith", "digits", "pycode"):
+                raise ValueError(f"`train.objective: dpo` learns from preference pairs (`prompt`, `chosen`, "
+                                 f"`rejected`); `data.source: {self.data.source}` has none: `--set data.source=arith-pairs` "
+                                 "(built in), or a file with those columns")
+        elif self.data.source == "arith-pairs":
+            raise ValueError("`data.source: arith-pairs` holds preference pairs, which `train.objective: dpo` learns "
+                             "from: `--set train.objective=dpo`, or `--set data.source=arith` for instructions")
+        if isinstance(self.model, MLPSpec) and self.data.source in ("pycode", "arith", "arith-pairs"):
             raise ValueError(f"`data.source: {self.data.source}` is text; train a language model on it: `--set model.kind=gpt`")
         if self.tune is not None:
             if self.train.elastic:

@@ -89,6 +89,8 @@ class BundleEvaluator:
         if LABELS in batch.columns:  # a pretrained model's token windows: loss where labels are not IGNORE
             inputs = torch.as_tensor(np.stack(batch[INPUT_IDS].to_numpy()), device=b.device)
             labels = torch.as_tensor(np.stack(batch[LABELS].to_numpy()))
+            if inputs.dim() == 3:  # preference pairs: scored on the chosen answers (a DPO run's val_perplexity)
+                inputs, labels = inputs[:, 0], labels[:, 0]
             vocab = b.model.get_output_embeddings().weight.shape[0]
             if int(inputs.max()) >= vocab:
                 raise BundleError(f"its vocabulary has {vocab} tokens and this run's tokenizer makes ids up to "

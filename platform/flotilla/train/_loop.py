@@ -265,8 +265,12 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             if batch is None:
                 break
             inputs, targets = _split(batch, schema, dtype)
-            out = engine(inputs)
-            loss = _loss(out, targets, schema, "mean")
+            if schema.pairs:  # DPO: the pairs' losses against the reference (the adapter disabled)
+                losses, pair_sums = _preference(engine, inputs, targets, t.dpo.beta)
+                loss, out = losses.mean(), None
+            else:
+                out = engine(inputs)
+                loss = _loss(out, targets, schema, "mean")
             engine.backward(loss)
             comm.after_backward()  # (gradients, where Flotilla sends them: `train.comm`)
             stepped = engine.global_steps
@@ -301,6 +305,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
             step_started = now
             if schema.task == "classification":
                 correct += int((out.detach().argmax(dim=-1) == targets).sum())
+            elif schema.pairs:  # pairs whose chosen answer the model finds likelier than the rejected one
+                correct += int(pair_sums["preferred"])
             if flags[2] > 0:
                 last_check = now
                 info = session.preemption()
@@ -343,7 +349,8 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         data_wait += wait_before
 
         comm.same_weights()  # (evaluated, checkpointed and bundled: one model)
-        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_splits else None)
+        val = _evaluate(engine, val_shard, schema, dtype, t.batch_size, device, (rank, world) if config.whole_splits else None,
+                        beta=t.dpo.beta)
         totals = _all_reduce(
             [loss_sum, samples, val["loss_sum"], val["correct"], val["count"], val["rows"], correct, loss_count], device
         )
@@ -375,6 +382,19 @@ def train(config: WorkerConfig, session: Session) -> str | None:
         elif schema.task == "regression":
             metrics["val_rmse"] = math.sqrt(metrics["val_loss"])
             metrics["train_rmse"] = math.sqrt(metrics["train_loss"])
+        elif schema.pairs:  # DPO: train_loss and val_loss are its loss; perplexity is the chosen answers'
+            pair = dict(zip(PAIR_SUMS, _all_reduce([val["pairs"][k] for k in PAIR_SUMS], device)))
+            pairs = max(totals[5], 1)
+            metrics["val_perplexity"] = math.exp(min(pair["chosen_nll"] / max(pair["chosen_tokens"], 1), 50.0))
+            metrics["val_preference_accuracy"] = pair["preferred"] / pairs
+            metrics["val_reference_preference_accuracy"] = pair["reference_preferred"] / pairs
+            metrics["val_reward_accuracy"] = pair["rewarded"] / pairs
+            metrics["val_reward_margin"] = pair["margin"] / pairs
+            metrics["train_preference_accuracy"] = totals[6] / max(totals[1], 1)
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * schema.context * 2  # two answers a pair
+            # A step runs the reference forward (2 FLOPs a parameter a token) besides the model's forward
+            # and backward (6): 8/6 of a supervised step's work per token.
+            metrics["mfu"] = flops_per_token(model_spec, num_params) * 8 / 6 * metrics["tokens_per_s"] / (peak * world)
         else:
             metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
             metrics["train_perplexity"] = math.exp(min(metrics["train_loss"], 50.0))
@@ -493,6 +513,9 @@ def format_epoch(run_name: str, m: dict[str, Any], epochs: int) -> str:
     ]
     parts += [primary_metric(task).format(m[primary_metric(task).name])
               for task in TASKS if primary_metric(task).name in m]
+    if "val_preference_accuracy" in m:
+        parts += [f"val_preference_accuracy {m['val_preference_accuracy']:.4f}",
+                  f"val_reward_margin {m['val_reward_margin']:.4f}"]
     parts.append(f"{m['samples_per_s']:.0f} samples/s")
     if "tokens_per_s" in m:
         parts += [f"{m['tokens_per_s']:.0f} tokens/s", f"MFU {m['mfu']:.1%}"]
@@ -583,38 +606,87 @@ def _loss(out: torch.Tensor, targets: torch.Tensor, schema: DataSchema, reductio
 
 
 def _loss_count(targets: torch.Tensor, schema: DataSchema) -> int:
-    """What a batch's mean loss is a mean over: rows, or for language models the tokens a loss is
-    taken on (every target of byte windows; the unmasked ones of a pretrained model's windows)."""
+    """What a batch's mean loss is a mean over: rows (preference pairs too), or for language models
+    the tokens a loss is taken on (every target of byte windows; the unmasked ones of a pretrained
+    model's windows)."""
+    if schema.pairs:
+        return len(targets)
     if schema.masked:
         return int((targets != IGNORE).sum())
     return targets.numel() if schema.task == "lm" else len(targets)
 
 
+# What `_preference` sums over a batch of pairs, besides their losses.
+PAIR_SUMS = ("preferred", "reference_preferred", "rewarded", "margin", "chosen_nll", "chosen_tokens")
+
+
+def _preference(engine, inputs: torch.Tensor, targets: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Direct Preference Optimization (Rafailov et al. 2023, eq. 7) on (pairs, 2, context) windows, the
+    chosen answer first: each pair's loss, `-log sigmoid(beta * ((log p(chosen) - log p_ref(chosen)) -
+    (log p(rejected) - log p_ref(rejected))))`, where `log p` sums an answer's token log-probabilities;
+    and the batch's sums of `PAIR_SUMS`: pairs whose chosen answer the model (`preferred`) and the
+    reference (`reference_preferred`) find likelier, pairs with a positive reward margin (`rewarded`),
+    the margins, and the chosen answers' negative log-likelihood and tokens (their perplexity).
+
+    The reference is the model with its adapter disabled (`HFCausalLM.reference`): one copy of the
+    weights. Both windows of a pair go through one forward pass."""
+    flat_inputs, flat_targets = inputs.flatten(0, 1), targets.flatten(0, 1)
+    with torch.no_grad(), engine.module.reference():
+        reference = _answer_logps(engine(flat_inputs), flat_targets).view(-1, 2)
+    policy = _answer_logps(engine(flat_inputs), flat_targets).view(-1, 2)
+    margin = beta * ((policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1]))
+    losses = -F.logsigmoid(margin)
+    chosen = policy.detach()[:, 0]
+    sums = {"preferred": float((policy.detach()[:, 0] > policy.detach()[:, 1]).sum()),
+            "reference_preferred": float((reference[:, 0] > reference[:, 1]).sum()),
+            "rewarded": float((margin.detach() > 0).sum()), "margin": float(margin.detach().sum()),
+            "chosen_nll": float(-chosen.sum()), "chosen_tokens": float((targets[:, 0] != IGNORE).sum())}
+    return losses, sums
+
+
+def _answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per window: the sum of the log-probabilities of its labelled tokens (its answer)."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return -nll.view(labels.shape).sum(-1)
+
+
 @torch.no_grad()
-def _evaluate(engine, shard, schema, dtype, batch_size, device, share: tuple[int, int] | None = None) -> dict[str, Any]:
+def _evaluate(engine, shard, schema, dtype, batch_size, device, share: tuple[int, int] | None = None,
+              beta: float = 0.1) -> dict[str, Any]:
     """Sums over this rank's validation batches. `share=(rank, world)`: `shard` is the whole split,
     and this rank scores batches rank, rank + world, ... Under ZeRO-3 a forward is collective, so
-    every rank runs as many as the rank with the most batches (the extra ones are not counted)."""
+    every rank runs as many as the rank with the most batches (the extra ones are not counted).
+    Preference pairs: DPO's loss, and `PAIR_SUMS` under "pairs"."""
     engine.eval()
     loss_sum, correct, count, rows, probe, forwards, seen = 0.0, 0, 0, 0, None, 0, 0
+    pair_sums = dict.fromkeys(PAIR_SUMS, 0.0)
+    first = None
     for i, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, dtypes=_batch_dtypes(schema), device=device)):
         seen = i + 1
         inputs, targets = _split(batch, schema, dtype)
-        if probe is None:
-            probe = inputs
+        if first is None:
+            first = inputs, targets
         if share is not None and i % share[1] != share[0]:
             continue
-        out = engine(inputs)
         forwards += 1
-        loss_sum += _loss(out, targets, schema, "sum").item()
         count += _loss_count(targets, schema)
         rows += len(targets)
+        if schema.pairs:
+            losses, sums = _preference(engine, inputs, targets, beta)
+            loss_sum += float(losses.sum())
+            for k, v in sums.items():
+                pair_sums[k] += v
+            continue
+        out = engine(inputs)
+        loss_sum += _loss(out, targets, schema, "sum").item()
         if schema.task == "classification":
             correct += int((out.argmax(dim=-1) == targets).sum())
-    if share is not None and probe is not None:
+    if share is not None and first is not None:
         for _ in range(-(-seen // share[1]) - forwards):
-            engine(probe)
-    return {"loss_sum": loss_sum, "correct": correct, "count": count, "rows": rows, "probe": probe}
+            _preference(engine, *first, beta) if schema.pairs else engine(first[0])
+    if first is not None:  # the inputs the bundle is checked on: windows, whatever the rows
+        probe = first[0].flatten(0, 1) if schema.pairs else first[0]
+    return {"loss_sum": loss_sum, "correct": correct, "count": count, "rows": rows, "probe": probe, "pairs": pair_sums}
 
 
 def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -629,6 +701,11 @@ def consolidated_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     # embeddings): the state dict a fresh model loads names them all.
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         full = safe_get_full_fp32_param(param)
+        if full is None and hasattr(param, "ds_id"):
+            # ZeRO-3 keeps no fp32 copy of a frozen parameter, and its tensor here may be this rank's
+            # empty placeholder (whether it is depends on what the last forward left gathered): gathered.
+            with deepspeed.zero.GatheredParameters([param]):
+                full = param.detach().float().cpu().clone()
         state[name] = (full if full is not None else param.detach()).float().cpu().clone()
     saved = set(engine.module.state_dict().keys())
     for name, buf in engine.module.named_buffers():
