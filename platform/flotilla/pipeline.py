@@ -24,7 +24,7 @@ from flotilla.data import PreparedData, filesystem_for, prepare_data
 from flotilla.errors import SpecError
 from flotilla.export import export_model
 from flotilla.runtime import ensure_ray
-from flotilla.spec import RunSpec, trial_spec
+from flotilla.spec import RunSpec, pretrained_made_absolute, trial_spec
 from flotilla.track import SweepRun, check_tracking_uri, open_tracker, resolve_tracking_uri
 from flotilla.train import (TrainingOutcome, check_cluster_fits, choose_layout, fit, local_copy, new_run_name,
                             run_directory)
@@ -42,6 +42,7 @@ def run_training(spec: RunSpec, *, in_trial: bool = False, prepared: PreparedDat
     `check_storage=False` skips the check that every node sees the run's storage (a sweep checks once).
     """
     started = time.monotonic()
+    spec = pretrained_made_absolute(spec)
     run_name = spec.train.run_name or new_run_name(spec)
     tracker = open_tracker(spec, run_name, tracking_tags)  # checks the tracking URI before Ray starts
     ensure_ray(spec)
@@ -78,6 +79,7 @@ def run_sweep(spec: RunSpec) -> SweepOutcome:
     `track.register_model`, the best trial's bundle is registered and gated."""
     if spec.tune is None:
         raise SpecError(["the spec has no `tune` section; a sweep needs one (see `flotilla config`, section tune)"])
+    spec = pretrained_made_absolute(spec)
     name = sweep_name(spec)
     uri = None
     if spec.track.enabled:

@@ -6,7 +6,7 @@ Validation happens before Ray starts and reports every problem at once; each lin
 field as `--set` writes it (`model.heads`), the bad value and what is allowed.
 """
 
-from flotilla.spec._local import check_local_paths
+from flotilla.spec._local import check_local_paths, pretrained_made_absolute
 from flotilla.spec._load import (
     apply_override,
     load_spec,
@@ -71,6 +71,7 @@ __all__ = [
     "TuneSpec",
     "apply_override",
     "check_local_paths",
+    "pretrained_made_absolute",
     "load_spec",
     "set_path",
     "shipped_specs",

@@ -72,6 +72,19 @@ def _check_pretrained(pretrained: str, problems: list[str], notes: list[str]) ->
         problems.append(f"`model.pretrained`: {shown} has no config.json, so it is not a model save_pretrained wrote")
 
 
+def pretrained_made_absolute(spec: RunSpec) -> RunSpec:
+    """`spec` with a relative `model.pretrained` that is a directory here made absolute: the training
+    workers run in directories of their own (Ray's), where a relative path names nothing. A hub id
+    or built-in name is left as it is."""
+    m = spec.model
+    if not isinstance(m, HFCausalLMSpec) or m.pretrained in BUILTIN_MODELS or "://" in m.pretrained:
+        return spec
+    path = Path(os.path.expanduser(m.pretrained))
+    if path.is_absolute() or not path.is_dir():
+        return spec
+    return spec.model_copy(update={"model": m.model_copy(update={"pretrained": str(path.resolve())})})
+
+
 def _shown(written: str, path: Path) -> str:
     """The value as written, and where it was looked for when that differs."""
     absolute = str(path.absolute())
