@@ -213,3 +213,16 @@ def test_model_kinds_in_messages_come_from_the_code():
     with pytest.raises(SpecError) as err:
         validate_spec({"model": {"kind": None}})
     assert f"allowed: {', '.join(kinds)}" in str(err.value)
+
+
+def test_a_relative_pretrained_directory_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    from flotilla.spec import pretrained_made_absolute
+
+    (tmp_path / "runs" / "sft" / "bundle").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(Path(__file__).parents[2] / "configs" / "instruct_dpo.yaml", ["model.pretrained=runs/sft/bundle"])
+    assert pretrained_made_absolute(spec).model.pretrained == str(tmp_path.resolve() / "runs" / "sft" / "bundle")
+    for kept in ("tiny-llama", "Qwen/Qwen2.5-0.5B", "/models/x"):  # a built-in, a hub id, an absolute path
+        spec = load_spec(Path(__file__).parents[2] / "configs" / "instruct_dpo.yaml", [f"model.pretrained={kept}"])
+        assert pretrained_made_absolute(spec).model.pretrained == kept
+    assert pretrained_made_absolute(load_spec(None)).model == load_spec(None).model  # not a language model
