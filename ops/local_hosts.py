@@ -54,6 +54,7 @@ S3_BUCKET = "flotilla"
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "local-hosts", "AWS_SECRET_ACCESS_KEY": "local-hosts",
                   "AWS_DEFAULT_REGION": "us-east-1"}
 CLUSTER_YAML = ROOT / "cluster.yaml"
+START_ATTEMPTS = 3  # a worker whose `ray start` timed out joining a busy head starts again (start_node)
 # The elastic run of the hosts' tests and `make benchmark-elastic` (`--set` arguments after
 # configs/digits.yaml): 1 or 2 workers of 2 CPUs, one per worker host; 64 samples an optimizer step at
 # either size; a wider model than digits.yaml's, so that an epoch lasts long enough (~1 s on 2
@@ -284,11 +285,24 @@ class Hosts:
             # ranks' shards) then found no idle process and started a fresh one: seconds of CPU an
             # epoch beside the ranks, and a 2x slower run. Two spare processes stay instead.
             env["RAY_num_workers_soft_limit"] = str(cpus + 2)
-        for command in self.start_commands(host):
-            done = self.run(host, ["bash", "-c", command], env=env, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}): "
-                                   f"{(done.stdout + done.stderr)[-3000:]}")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            failed = next(((command, done) for command in self.start_commands(host)
+                           if (done := self.run(host, ["bash", "-c", command], env=env, timeout=300)).returncode), None)
+            if failed is None:
+                return
+            command, done = failed
+            output = done.stdout + done.stderr
+            # "The current node timed out during startup ... the GCS has become overloaded": the head
+            # did not answer a joining worker in time (seen with both CPUs busy). What the attempt
+            # started is stopped and the worker joins again; any other failure is the answer.
+            if host == "head" or "timed out during startup" not in output or attempt == START_ATTEMPTS:
+                raise RuntimeError(f"host {host}: `{command}` failed ({done.returncode}, attempt {attempt}): "
+                                   f"{output[-3000:]}")
+            print(f"host {host}: ray start timed out joining the head (attempt {attempt}); starting it again",
+                  flush=True)
+            self.kill_host(host)
+            self.run(host, ["sh", "-c", "umount -l /tmp/ray; mount -t tmpfs -o size=2g,mode=1777 tmpfs /tmp/ray"],
+                     check=True)
 
     @property
     def s3_endpoint(self) -> str:

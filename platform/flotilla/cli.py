@@ -130,6 +130,20 @@ the version was trained with: a variant passes when its accuracy is within expor
 (its model's bundle/variants/, a `flotilla.runtime.<variant>` tag each, passed or failed and why)
 with their speed measured here, from which serve.runtime=auto picks; a failed one is never served.""",
     ),
+    "eval": (
+        "Judge a registered language model with lm-evaluation-harness through its OpenAI endpoint; log the scores.",
+        """examples:
+  flotilla eval --model instruct-lora@candidate --tasks evals/arith
+  flotilla eval --model instruct-lora/3 --tasks evals/arith/arith.yaml --limit 20
+  flotilla eval --model instruct-lora@champion --tasks my_tasks/ --base-url http://127.0.0.1:8000/v1
+Runs the harness's `local-completions` model against the version's /v1/completions: at --base-url
+(where it serves that version), or on an endpoint served for the duration (all traffic to this version, on a prefix of its own that
+the /v1 router does not list; deleted afterwards). Tasks are lm-evaluation-harness task YAML files
+with their data beside them (a `data_files` path is relative to its YAML file); the harness's own
+tasks, which download data, are not loaded. Each task's metrics become tags of the version and
+metrics of its run (`eval.<task>.<metric>`, e.g. eval.arith.acc), which gate rules may test, and the
+harness's results an artifact of the run (eval/<tasks>.json).""",
+    ),
     "validate": (
         "Check a spec (with its overrides) and print it resolved, every default filled in.",
         """examples:
@@ -200,11 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands: dict[str, Callable[[argparse.ArgumentParser], None]] = {
         "train": _train_args, "sweep": _sweep_args, "deploy": _deploy_args, "deploy-apps": _deploy_apps_args,
-        "promote": _promote_args, "predict": _predict_args, "export": _export_args, "validate": _sweep_args,
+        "promote": _promote_args, "predict": _predict_args, "export": _export_args, "eval": _eval_args,
+        "validate": _sweep_args,
         "config": _config_args,
     }
     runners = {"train": _train, "sweep": _sweep, "deploy": _deploy, "deploy-apps": _deploy_apps, "promote": _promote,
-               "predict": _predict, "export": _export, "validate": _validate, "config": _config}
+               "predict": _predict, "export": _export, "eval": _eval, "validate": _validate, "config": _config}
     for name, add_args in commands.items():
         summary, examples = SUBCOMMANDS[name]
         p = sub.add_parser(name, help=summary, description=summary, epilog=examples + "\n\n" + EXIT_CODES_TEXT,
@@ -314,6 +329,26 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p._option_string_actions["--config"].help = (
         "the spec for the validation rows and the `export` section (default: the one the version was trained with)")
     _allow_factory_arg(p)
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="MODEL", help=f"the registered version to judge; one of {MODEL_FORMS}")
+    p.add_argument("--tasks", required=True, metavar="PATH",
+                   help="a directory of lm-evaluation-harness task YAML files (or one file), their data beside them")
+    _tracking_uri_arg(p, "MLflow tracking URI of the registry")
+    p.add_argument("--base-url", metavar="URL", help="the OpenAI base URL of an endpoint serving the model already, "
+                                                     "e.g. http://127.0.0.1:8000/v1 (the router); default: serve the "
+                                                     "version for the duration")
+    p.add_argument("--limit", type=int, metavar="N", help="at most N examples per task (a quick look)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
+                      help="render each prompt as a user turn with the model's chat template (default: when its "
+                           "tokenizer has one, as training rendered instructions)")
+    chat.add_argument("--plain", dest="chat", action="store_const", const=False, help="send each prompt as it is")
+    _spec_args(p)
+    p.set_defaults(config=None)
+    p._option_string_actions["--config"].help = (
+        "the spec whose `serve` section serves the version for the duration (default: the one it was trained with)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -506,6 +541,15 @@ def _export(args) -> int:
 
     outcome = export_model(args.model, tracking_uri=args.tracking_uri, config=args.config, overrides=args.overrides,
                            factories=args.factories)
+    print(outcome.describe())
+    return 0
+
+
+def _eval(args) -> int:
+    from flotilla.evaluate import evaluate_model  # lazy
+
+    outcome = evaluate_model(args.model, args.tasks, args.tracking_uri, base_url=args.base_url, config=args.config,
+                             overrides=args.overrides, limit=args.limit, chat=args.chat)
     print(outcome.describe())
     return 0
 

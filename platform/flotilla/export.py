@@ -263,7 +263,7 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
             if _model_id(version) is None:
                 raise TrackingError(f"{found.name} v{found.version} has no logged model to add variants to "
                                     f"(source {version.source})")
-            spec_file = config or _run_spec(found, version.run_id, Path(tmp))
+            spec_file = config or version_spec_file(found, version.run_id, Path(tmp))
         allowed = set(factories)
         if spec is not None or config:
             spec = spec if spec is not None else load_spec(config, list(overrides))
@@ -297,7 +297,7 @@ def recorded_spec(path: str, overrides: list[str]):
     return spec
 
 
-def _run_spec(found: LocalBundle, run_id: str, tmp: Path) -> str:
+def version_spec_file(found: LocalBundle, run_id: str, tmp: Path) -> str:
     """The spec the version's run trained with (its `spec.yaml` artifact), downloaded into `tmp`."""
     from mlflow.artifacts import download_artifacts
     from mlflow.exceptions import MlflowException

@@ -22,6 +22,8 @@ import torch
 from flotilla.pipeline import run_training
 from tests.services import free_port
 
+from openai import UnprocessableEntityError
+
 from ._helpers import (any_json, assert_leaving_clients_stop_generating, fuzz, instruct_spec, metric_steps, metric_sum,
                        metrics_text, mlflow_runs, published_body, store_uri, wait_for,
                        worker_killed_after_first_checkpoint)
@@ -207,6 +209,7 @@ def test_the_registered_model_answers_a_stock_openai_client(finetuned, tiny_llam
         assert raw.headers.get("X-Model-Version") is None
 
         _one_base_url_routes_by_model(endpoint, expected)
+        _log_probabilities_are_the_models_own(client, endpoint.url, bundle, question)
         mlflow_client = MlflowClient(store_uri(finetuned.store))
         v1 = mlflow_client.get_model_version("instruct-lora", "1")
         mlflow.set_tracking_uri(store_uri(finetuned.store))
@@ -302,6 +305,45 @@ def _register_adapter(store: Path, name: str, scale: float, tmp: Path, base_sha2
         client.create_registered_model(name)
     assert str(client.create_model_version(name, source=str(model), tags=tags).version) == version
     client.set_registered_model_alias(name, "champion", version)
+
+
+def _log_probabilities_are_the_models_own(client, url: str, bundle, question) -> None:
+    """`logprobs` and `echo` as OpenAI defines them and lm-evaluation-harness's `local-completions` uses
+    them to score a text: each token's log-probability is the model's own (the bundle's logits here)."""
+    text = "What is 12 plus 7? 12 plus 7 is 19."
+    ids = bundle.encode(text)
+    with torch.no_grad():
+        logp = bundle.logits(torch.tensor([ids])).float().log_softmax(-1)[0]
+    expected = [float(logp[i, t]) for i, t in enumerate(ids[1:])]
+    # The prompt alone (max_tokens 0): its text, its tokens, each scored after the ones before it.
+    scored = client.completions.create(model="instruct-lora", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == text and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == text and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-6
+               for top, chosen in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    # lm-evaluation-harness's own request body: token ids in a list of one, one token generated (greedy).
+    raw = requests.post(url + "/v1/completions", json={"model": "instruct-lora", "prompt": [ids], "temperature": 0,
+                                                       "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True},
+                        timeout=60)
+    assert raw.status_code == 200, raw.text
+    listed = raw.json()["choices"][0]["logprobs"]
+    assert len(listed["token_logprobs"]) == len(ids) + 1  # the last: the token generated (or the eos that ended it)
+    assert listed["token_logprobs"][1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert listed["token_logprobs"][-1] == pytest.approx(max(listed["top_logprobs"][-1].values()), abs=1e-6)
+    # A chat answer's tokens, greedy: each the likeliest of its position's top 3.
+    chat = client.chat.completions.create(model="instruct-lora", messages=question, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content and len(content) >= 1
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-6)
+        assert bytes(t.bytes).decode() == t.token
+    with pytest.raises(UnprocessableEntityError, match="log-probabilities come with whole answers only"):
+        client.chat.completions.create(model="instruct-lora", messages=question, logprobs=True, stream=True)
 
 
 def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp_path):
@@ -420,6 +462,51 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
 
 
 CHAT_FUZZ_CASES = 400  # per route: 800 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
+
+
+def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned, tiny_llama):
+    """`flotilla eval`: lm-evaluation-harness (`local-completions`) against the version, served for the
+    duration; each task's score on the version (tag) and its run (metric), the results as an artifact.
+    The multiple-choice score is the model's own: the choice it finds likeliest, from the bundle here."""
+    from mlflow import MlflowClient
+    from ray import serve
+
+    from flotilla.bundle import load_hf_bundle
+    from flotilla.evaluate import evaluate_model
+
+    from ._helpers import ROOT
+
+    tasks, limit = ROOT / "evals" / "arith", 12
+    outcome = evaluate_model("instruct-lora/1", str(tasks), store_uri(finetuned.store), limit=limit,
+                             overrides=["serve.replica.num_cpus=0.5"])
+    print(outcome.describe())
+    assert set(outcome.metrics) == {"eval.arith.acc", "eval.arith_gen.exact_match"}
+    assert all(0 <= v <= 1 and round(v * limit, 6) == round(v * limit) for v in outcome.metrics.values())
+    client = MlflowClient(store_uri(finetuned.store))
+    version = client.get_model_version("instruct-lora", "1")
+    assert {k: float(v) for k, v in version.tags.items() if k.startswith("eval.")} == \
+        pytest.approx(outcome.metrics, abs=1e-5)
+    assert client.get_run(version.run_id).data.metrics["eval.arith.acc"] == outcome.metrics["eval.arith.acc"]
+    assert [a.path for a in client.list_artifacts(version.run_id, "eval")] == ["eval/arith+arith_gen.json"]
+    assert not any(name.startswith("flotilla-eval-") for name in serve.status().applications)  # deleted after
+    # The harness's choice per question: the likeliest answer after the chat-rendered question (its
+    # trailing newline moved before the answer, as the harness encodes a pair), by the bundle here.
+    bundle = load_hf_bundle(finetuned.store / "runs" / "lora" / "bundle")
+    tok = bundle.tokenizer
+    right = 0
+    for line in (tasks / "arith.jsonl").read_text().splitlines()[:limit]:
+        row = json.loads(line)
+        context = tok.apply_chat_template([{"role": "user", "content": row["question"]}], tokenize=False,
+                                          add_generation_prompt=True)
+        stripped = context.rstrip()
+        head = tok(stripped, add_special_tokens=False)["input_ids"]
+        scores = []
+        for choice in row["choices"]:
+            whole = tok(stripped + context[len(stripped):] + choice, add_special_tokens=False)["input_ids"]
+            logps, _ = bundle.score(whole)
+            scores.append(sum(logps[len(head) - 1:]))
+        right += int(max(range(3), key=scores.__getitem__) == row["answer"])
+    assert outcome.metrics["eval.arith.acc"] == pytest.approx(right / limit)
 
 
 def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):

@@ -192,3 +192,32 @@ def test_an_error_answer_stays_small_whatever_the_request():
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "bot", "content": "x"}] * 5000})
     assert len(json.dumps(openai_error(e.value)[1])) < 16_000
+
+
+def test_log_probability_requests_parse_as_openai_and_lm_evaluation_harness_send_them():
+    from pydantic import ValidationError
+
+    from flotilla.serve._openai import ChatCompletionRequest, CompletionRequest
+
+    # lm-evaluation-harness `local-completions`, a log-likelihood request: token ids in a list of one
+    harness = CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6, 7]], "temperature": 0, "max_tokens": 1,
+                                                "logprobs": 1, "seed": 1234, "echo": True})
+    assert harness.prompt == [5, 6, 7] and harness.top_logprobs_asked == 1 and harness.echo
+    scored = CompletionRequest.model_validate({"model": "m", "prompt": "a b", "max_tokens": 0, "echo": True})
+    assert scored.max_tokens == 0 and scored.top_logprobs_asked is None
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": True, "top_logprobs": 3})
+    assert chat.top_logprobs_asked == 3
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": False}).top_logprobs_asked is None
+    for body, says in [({"prompt": "a", "max_tokens": 0}, "`max_tokens: 0` generates nothing; it is for `echo: true`"),
+                       ({"prompt": "a", "logprobs": 21}, "less than or equal to 20"),
+                       ({"prompt": "a", "logprobs": 1, "stream": True}, "log-probabilities come with whole answers"),
+                       ({"prompt": "a", "echo": True, "stream": True}, "`echo` comes with whole answers"),
+                       ({"prompt": [[1, 2], [3]]}, "one prompt per request.*batch_size=1")]:
+        with pytest.raises(ValidationError, match=says):
+            CompletionRequest.model_validate({"model": "m", **body})
+    for extra, says in [({"top_logprobs": 2}, "`top_logprobs` needs `logprobs: true`"),
+                        ({"max_tokens": 0}, "`max_tokens` is at least 1 for a chat completion")]:
+        with pytest.raises(ValidationError, match=says):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})

@@ -269,3 +269,32 @@ def test_training_curves_png(tmp_path):
     ]
     path = plot_training_curves(history, tmp_path / "curves.png", "run")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_harness_scores_in_gate_rules_wait_for_flotilla_eval_then_promote(registry, tmp_path):
+    """A rule on `eval.<task>.<metric>` is pending until `flotilla eval` logs that score: the version is
+    registered but not promoted; once the score is among its run's metrics, the gate is decided again."""
+    from flotilla.track import gate_with_scores
+
+    gate = GateSpec(require=["val_perplexity <= 50", "eval.arith.acc >= 0.5"])
+    waiting = check_rules(gate, {"val_perplexity": 40.0})
+    assert waiting.passed and waiting.verdict == "pending" and waiting.pending == ["eval.arith.acc"]
+    assert "eval.arith.acc >= 0.5: not measured yet (`flotilla eval` measures it" in waiting.summary()
+    assert check_rules(gate, {"val_perplexity": 60.0}).verdict == "failed"  # a measured rule fails: not waiting
+    assert check_rules(gate, {"val_perplexity": 40.0, "eval.arith.acc": 0.6}).verdict == "passed"
+    run = registry.create_run(registry.create_experiment("e")).info.run_id
+    registry.log_metric(run, "val_perplexity", 40.0)
+    version = registry.create_model_version("m", source=str(tmp_path / "src"), run_id=run).version
+    registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
+    set_alias(registry, "m", CHAMPION, "1")
+    registry.log_metric(run, "eval.arith.acc", 0.4)  # measured, and too low: it stays where it is
+    low = gate_with_scores(registry, "m", version, gate)
+    assert low.gate.verdict == "failed" and low.champion is None and alias_version(registry, "m", CHAMPION) == "1"
+    assert gate_with_scores(registry, "m", version, gate) is None  # decided: no longer waiting
+    registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
+    registry.log_metric(run, "eval.arith.acc", 0.7)
+    high = gate_with_scores(registry, "m", version, gate)
+    assert high.gate.verdict == "passed" and alias_version(registry, "m", CHAMPION) == str(version)
+    assert registry.get_model_version("m", version).tags["flotilla.gate.eval.arith.acc"] == "0.7"
+    with pytest.raises(SpecError, match="unknown metric 'eval_arith'"):
+        load_spec(None, ["track.gate.require=[eval_arith >= 0.5]"])

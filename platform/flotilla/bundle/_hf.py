@@ -196,18 +196,20 @@ class HFBundle:
     @torch.inference_mode()
     def generate_ids(self, ids: list[int], max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
                      seed: int | None = None, top_p: float = 1.0,
-                     logit_bias: dict[int, float] | None = None) -> Iterator[int]:
+                     logit_bias: dict[int, float] | None = None, ended_by: list[int] | None = None) -> Iterator[int]:
         """Yield sampled token ids after `ids` (keys and values cached: one token's forward per step),
-        until an end-of-text token (not yielded) or `max_tokens`. `top_p` < 1 samples from the
-        smallest set of tokens whose probabilities add up to it (nucleus sampling); `logit_bias`
-        (token id -> bias) is added to the logits first, as OpenAI's parameter of that name is
-        (-100 bans a token)."""
+        until an end-of-text token (not yielded; appended to `ended_by` when given) or `max_tokens`.
+        `top_p` < 1 samples from the smallest set of tokens whose probabilities add up to it (nucleus
+        sampling); `logit_bias` (token id -> bias) is added to the logits first, as OpenAI's parameter
+        of that name is (-100 bans a token)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stops, device, bias = self.stop_ids(), self.device, logit_bias_tensors(logit_bias)
         out, _ = self._first(torch.tensor([ids], device=device))
         for _ in range(max_tokens):
             token = sample_next(out.logits[0, -1].float().cpu(), temperature, top_k, top_p, generator, bias)
             if token in stops:
+                if ended_by is not None:
+                    ended_by.append(token)
                 return
             yield token
             out = self._forward(input_ids=torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
@@ -216,7 +218,8 @@ class HFBundle:
     def generate_ids_batch(self, prompts: list[list[int]], settings: list[dict[str, Any]],
                            ended: list[Any] | None = None, on_token: Callable[[int, int], bool] | None = None,
                            on_end: Callable[[int], None] | None = None,
-                           on_error: Callable[[int, Exception], None] | None = None) -> list[list[int]]:
+                           on_error: Callable[[int, Exception], None] | None = None,
+                           ended_by: list[int | None] | None = None) -> list[list[int]]:
         """Several prompts decoded together, one forward pass per token for all of them: each row
         the token ids `generate_ids(prompt, **its settings)` yields alone (`max_tokens`,
         `temperature`, `top_p`, `seed`, `logit_bias`; on a shared base, `adapter`: each row's own,
@@ -226,7 +229,8 @@ class HFBundle:
         token for which `on_token(row, token)` answers true (a stop string has appeared); then
         `on_end(row)` is called, once. When every row has ended, no more forward passes run.
         A row whose own settings fail (its seed, its sampling) ends alone: `on_error(row, error)`
-        is told (without one, the first such error is raised once the other rows are done)."""
+        is told (without one, the first such error is raised once the other rows are done).
+        `ended_by[row]` is set to the end-of-text token that ended a row, where one did."""
         device, stops = self.device, self.stop_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         longest = max(map(len, prompts))
@@ -276,6 +280,8 @@ class HFBundle:
                     fail(i, e)
                     continue
                 if token in stops:
+                    if ended_by is not None:
+                        ended_by[i] = token
                     end(i)
                     continue
                 out_ids[i].append(token)
@@ -294,6 +300,24 @@ class HFBundle:
         if errors:
             raise errors[0]
         return out_ids
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+        """The log-probability of each token of `ids` after the tokens before it (len(ids) - 1 of them:
+        the first has none), under the model's own distribution (no temperature, no bias), in one
+        forward pass; and with `top` > 0, at each of those positions the `top` likeliest tokens and
+        their log-probabilities. What OpenAI's `logprobs` and `echo` report."""
+        inputs = torch.tensor([ids], device=self.device)
+        if self.prefix is None:
+            logits = self._forward(input_ids=inputs).logits[0]
+        else:
+            logits = self._forward(inputs_embeds=self._prefixed(inputs)).logits[0, len(self.prefix):]
+        logp = logits[:-1].float().log_softmax(-1).cpu()
+        chosen = logp.gather(1, torch.tensor(ids[1:], dtype=torch.long)[:, None])[:, 0].tolist()
+        if not top:
+            return chosen, None
+        best = logp[:, :self.vocab_size].topk(min(top, self.vocab_size), dim=-1)
+        return chosen, [list(zip(i.tolist(), v.tolist())) for v, i in zip(best.values, best.indices)]
 
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
                         seed: int | None = None, chat: bool = False) -> Iterator[str]:

@@ -22,13 +22,14 @@ from flotilla.serve._deploy import (
     sample_request,
     served_model,
 )
-from flotilla.serve._router import ROUTER_APP, OpenAIRouter, openai_router
+from flotilla.serve._router import PRIVATE_APP_PREFIX, ROUTER_APP, OpenAIRouter, openai_router
 from flotilla.serve._routing import TrafficSplit, sticky_point
 from flotilla.serve._schemas import GenerateRequest, PredictRequest
 from flotilla.spec import traffic_override
 from flotilla.serve._server import RUNTIME_HEADER, VERSION_HEADER, Classifier, Generator, load_version
 
 __all__ = [
+    "PRIVATE_APP_PREFIX",
     "RUNTIME_HEADER",
     "VERSION_HEADER",
     "AppArgs",

@@ -39,9 +39,11 @@ from starlette.datastructures import Headers
 from flotilla.bundle import AdapterSet, TextDecoder
 from flotilla.errors import BundleError, SpecError, TrackingError
 from flotilla.redact import redact
+from flotilla.serve._logprobs import chat_logprobs, completion_logprobs, decoded_text
 from flotilla.serve._openai import (
     AssistantMessage,
     ChatChoice,
+    ChatLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
@@ -93,6 +95,9 @@ class _Generation:
         self.error: Exception | None = None  # why its own row failed, when decoded together with others
         self.feed: queue.SimpleQueue | None = None  # its tokens as a batch of streams decodes them, then None
         self.token_wait_s: float | None = None  # how long to wait for the feed's next token
+        self.tokens: list[int] = []  # the tokens generated, as the text took them
+        self.ended_by: list[int] = []  # the end-of-text token that ended it, where one did
+        self.cut = False  # a stop string ended the text
 
     def _tokens(self) -> Iterator[int]:
         if self.error is not None:
@@ -102,11 +107,12 @@ class _Generation:
         elif self.feed is not None:
             source = self._fed()
         else:
-            source = self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings)
+            source = self.bundle.generate_ids(self.ids, self.max_tokens, **self.settings, ended_by=self.ended_by)
         for token in source:
             if self.cancel.is_set():
                 return
             self.completion_tokens += 1
+            self.tokens.append(token)
             yield token
         if self.completion_tokens == self.max_tokens:
             self.finish = "length"
@@ -130,7 +136,7 @@ class _Generation:
             cut = min((i for i in (held.find(s) for s in self.stops) if i >= 0), default=-1)
             if cut >= 0:  # a stop string: the text ends before it
                 self.cancel.set()
-                self.finish = "stop"
+                self.finish, self.cut = "stop", True
                 if held[:cut]:
                     self.text += held[:cut]
                     yield held[:cut]
@@ -196,10 +202,16 @@ def _decode_batch(bundle, generations: list[_Generation], on_token, on_end=None,
     def keep(row: int, error: Exception) -> None:
         generations[row].error = error
 
-    return bundle.generate_ids_batch([g.ids for g in generations],
-                                     [{"max_tokens": g.max_tokens, **g.settings, "adapter": g.bundle.adapter}
-                                      for g in generations],
-                                     [g.cancel for g in generations], on_token, on_end, on_error or keep)
+    ended_by: list[int | None] = [None] * len(generations)
+    try:
+        return bundle.generate_ids_batch([g.ids for g in generations],
+                                         [{"max_tokens": g.max_tokens, **g.settings, "adapter": g.bundle.adapter}
+                                          for g in generations],
+                                         [g.cancel for g in generations], on_token, on_end, on_error or keep, ended_by)
+    finally:
+        for g, token in zip(generations, ended_by):
+            if token is not None:
+                g.ended_by.append(token)
 
 
 def decode_together(bundle, generations: list[_Generation]) -> list[str]:
@@ -546,13 +558,23 @@ class Chat(_ModelServer):
                                               headers=headers)
         text = await self.with_timeout(self._whole(generation, version), "generation")
         rid, created = new_id("chatcmpl" if chat else "cmpl")
+        top, echo = body.top_logprobs_asked, not chat and body.echo
+        scored, g = None, generation
+        if top is not None and chat:  # one scoring pass over the prompt and the answer
+            scored = ChatLogprobs(content=await asyncio.to_thread(chat_logprobs, bundle, g.ids, g.tokens, text, top, g.cut))
+        elif top is not None:
+            scored, text = await asyncio.to_thread(completion_logprobs, bundle, g.ids, g.tokens, g.ended_by, text, top,
+                                                   echo, g.cut)
+        elif echo:
+            text = decoded_text(bundle, g.ids) + text
         if chat:
             answer = ChatCompletionResponse(id=rid, created=created, model=body.model, usage=generation.usage(),
                                             choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                                finish_reason=generation.finish)])
+                                                                finish_reason=generation.finish, logprobs=scored)])
         else:
             answer = CompletionResponse(id=rid, created=created, model=body.model, usage=generation.usage(),
-                                        choices=[CompletionChoice(text=text, finish_reason=generation.finish)])
+                                        choices=[CompletionChoice(text=text, finish_reason=generation.finish,
+                                                                  logprobs=scored)])
         return version, JSONResponse(answer.model_dump(), headers=headers)
 
     def _prompt_ids(self, bundle, body, chat: bool) -> list[int]:
@@ -587,7 +609,7 @@ class Chat(_ModelServer):
         if asked is not None and asked > cap:
             raise ApiError(422, f"invalid request: {field}: {asked} is above this endpoint's limit of {cap} "
                                 "(serve.max_new_tokens)", _fields(field, f"at most {cap}"))
-        limit = asked or cap
+        limit = cap if asked is None else asked
         most = self.limits.max_prompt_tokens
         if prompt_tokens > most:
             raise ApiError(422, f"invalid request: the prompt is {prompt_tokens} tokens; this endpoint takes at most "

@@ -4,8 +4,9 @@ and errors in the shape OpenAI clients read.
 A stock `openai` client sends only the parameters its caller passed (plus `stream`), so every
 parameter of OpenAI's API is known here: the ones this server implements (model, prompt or
 messages, max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logit_bias,
-stream, stream_options, user, metadata), and the others, accepted while they ask for the default
-behaviour (`presence_penalty: 0`, `logprobs: false`, `tools: []`, ...) and refused with a 422
+stream, stream_options, user, metadata; `logprobs` and `top_logprobs`, and the completions'
+`echo`), and the others, accepted while they ask for the default
+behaviour (`presence_penalty: 0`, `tools: []`, `best_of: 1`, ...) and refused with a 422
 naming the field otherwise, so no request is silently answered differently than it asked.
 A key OpenAI does not define is refused as unknown, as in every Flotilla schema.
 
@@ -37,21 +38,19 @@ MAX_STOPS = 4  # OpenAI's limit
 # one: the work per piece grows with the stops' length, so a stop string has a length limit.
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300  # token ids in `logit_bias` (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (and vLLM's default); its legacy completions stopped at 5
 SSE_DONE = b"data: [DONE]\n\n"
 
 # OpenAI parameters this server does not implement, and the values that mean "not used".
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # about tools, of which there are none
     "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "modalities": (None, ["text"]),
@@ -75,7 +74,8 @@ class _Request(_Body):
 
     model: str = Field(..., description="The served model's name (the registered model); checked by the server.")
     max_tokens: Optional[Annotated[int, Strict()]] = Field(
-        None, ge=1, description="Most tokens to generate; null: the deployment's limit.")
+        None, ge=0, description="Most tokens to generate; null: the deployment's limit. 0 only with `echo` "
+        "(completions): the prompt's log-probabilities alone.")
     temperature: Optional[Number] = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature: 0 is greedy, "
                                           f"else {MIN_TEMPERATURE} to 2.")
     top_p: Optional[Number] = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: the smallest set of tokens "
@@ -93,7 +93,6 @@ class _Request(_Body):
     # Accepted, not implemented: each must keep its default (see _DEFAULT_ONLY).
     frequency_penalty: Any = Field(None, description="Not implemented: leave out, or 0.")
     presence_penalty: Any = Field(None, description="Not implemented: leave out, or 0.")
-    logprobs: Any = Field(None, description="Not implemented: leave out, or false.")
     # Accepted and ignored.
     user: Any = Field(None, description="Ignored.")
     metadata: Any = Field(None, description="Ignored.")
@@ -152,7 +151,15 @@ class _Request(_Body):
     def _options_need_a_stream(self) -> "_Request":
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed with `stream: true`")
+        if self.stream and self.top_logprobs_asked is not None:
+            raise ValueError("log-probabilities come with whole answers only: send `stream: false`, or leave "
+                             "`logprobs` out")
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many likeliest tokens to list at each position, when log-probabilities are asked for."""
+        return None
 
     @property
     def token_biases(self) -> dict[int, float] | None:
@@ -167,22 +174,42 @@ class _Request(_Body):
 class CompletionRequest(_Request):
     """`POST /v1/completions`: continue a prompt."""
 
-    prompt: Union[str, list[str], list[Annotated[int, Strict()]]] = Field(
-        ..., description="The text to continue, a list holding one text, or token ids.")
-    echo: Any = Field(None, description="Not implemented: leave out, or false.")
+    prompt: Union[str, list[str], list[Annotated[int, Strict()]], list[list[Annotated[int, Strict()]]]] = Field(
+        ..., description="The text to continue, a list holding one text, token ids, or a list holding one list "
+        "of token ids (what lm-evaluation-harness sends).")
+    logprobs: Optional[Annotated[int, Strict()]] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's log-probability under the model "
+        f"(before temperature and biases) and, at each position, the `logprobs` likeliest tokens' (0 to "
+        f"{MAX_TOP_LOGPROBS}); null: none.")
+    echo: Optional[bool] = Field(
+        False, description="Return the prompt before the completion, in `text` and in `logprobs` (the first "
+        "token has none); with `max_tokens: 0`, the prompt alone: how a harness scores a text's likelihood.")
     best_of: Any = Field(None, description="Not implemented: leave out, or 1.")
     suffix: Any = Field(None, description="Not implemented: leave out.")
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
-                raise ValueError("one prompt per request: send a string (or a list of one)")
-            return value[0]
+                raise ValueError("one prompt per request: send a string (or a list of one); lm-evaluation-harness: "
+                                 "`batch_size=1`")
+            value = value[0]
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
         return value
+
+    @model_validator(mode="after")
+    def _nothing_to_say(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("`max_tokens: 0` generates nothing; it is for `echo: true` (the prompt's log-probabilities)")
+        if self.echo and self.stream:
+            raise ValueError("`echo` comes with whole answers only: send `stream: false`")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(_Body):
@@ -222,7 +249,12 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_completion_tokens: Optional[Annotated[int, Strict()]] = Field(
         None, ge=1, description="The newer name of `max_tokens` (what current clients send).")
-    top_logprobs: Any = Field(None, description="Not implemented: leave out.")
+    logprobs: Optional[bool] = Field(
+        False, description="Return each generated token's log-probability under the model (before temperature and "
+        "biases) in `choices[0].logprobs.content`.")
+    top_logprobs: Optional[Annotated[int, Strict()]] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description=f"With `logprobs: true`: also the likeliest tokens at each "
+        f"position, 0 to {MAX_TOP_LOGPROBS}.")
     tools: Any = Field(None, description="Not implemented: leave out, or empty.")
     tool_choice: Any = Field(None, description="Not implemented: leave out, or `none`.")
     parallel_tool_calls: Any = Field(None, description="Accepted (there are no tools).")
@@ -244,7 +276,15 @@ class ChatCompletionRequest(_Request):
     def _one_token_limit(self) -> "ChatCompletionRequest":
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise ValueError("`max_tokens` and `max_completion_tokens` differ; send one of them")
+        if self.max_tokens == 0:
+            raise ValueError("`max_tokens` is at least 1 for a chat completion")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -264,12 +304,23 @@ class Usage(_Body):
     total_tokens: int
 
 
+class CompletionLogprobs(_Body):
+    """OpenAI's legacy completions log-probabilities: per token of the text (the prompt's first with
+    `echo`), its text, its log-probability (null for the prompt's first token), the likeliest tokens
+    there, and where it starts in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+    text_offset: list[int]
+
+
 class CompletionChoice(_Body):
     index: int = 0
     text: str
     finish_reason: Optional[FinishReason] = Field(None, description="`stop` (eos or a stop string) or `length`; "
                                                   "null in stream chunks before the last.")
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class CompletionResponse(_Body):
@@ -287,11 +338,26 @@ class AssistantMessage(_Body):
     refusal: None = None
 
 
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Body):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: None = None
+
+
 class ChatChoice(_Body):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionResponse(_Body):

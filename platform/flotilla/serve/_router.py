@@ -34,6 +34,8 @@ from flotilla.serve._openai import ChatCompletionRequest, CompletionRequest
 from flotilla.serve._server import ApiError, _api, _body_schema, logger, read_limited
 
 ROUTER_APP = "openai"
+# Applications whose name starts so are not routed (`flotilla eval` serves a version for itself alone).
+PRIVATE_APP_PREFIX = "flotilla-eval-"
 ROUTE_PREFIX = "/v1"
 CHAT_DEPLOYMENT = "chat"  # the ingress deployment of every chat application (`build_application`)
 DIRECTORY_TTL_S = 5.0  # how long the router trusts what it found; an unknown model asks again at once
@@ -76,7 +78,7 @@ class OpenAIRouter:
     async def _find(self) -> dict[str, tuple[str, bool]]:
         status = await asyncio.to_thread(serve.status)
         apps = sorted(name for name, app in status.applications.items()
-                      if name != ROUTER_APP and CHAT_DEPLOYMENT in app.deployments
+                      if name != ROUTER_APP and not name.startswith(PRIVATE_APP_PREFIX) and CHAT_DEPLOYMENT in app.deployments
                       and app.status in ("RUNNING", "DEPLOYING", "UNHEALTHY"))  # (an update in place still answers)
 
         async def ask(name: str) -> list[tuple[bool, str, str]]:

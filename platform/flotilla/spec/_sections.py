@@ -559,7 +559,8 @@ class TrainSpec(_Section):
 
 # ---------------------------------------------------------------------------- track
 # A gate rule: `<metric> <op> <number>`, e.g. `val_accuracy >= 0.95`.
-GATE_RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+# A language model's harness scores (`flotilla eval`) are `eval.<task>.<metric>`, e.g. `eval.arith.acc >= 0.8`.
+GATE_RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*|eval\.[A-Za-z0-9_-]+\.[A-Za-z0-9_]+)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 
 
 class GateSpec(_Section):
@@ -567,7 +568,9 @@ class GateSpec(_Section):
 
     require: list[str] = Field(
         default_factory=list,
-        description="Rules on the run's final metrics, all of which must hold, e.g. `val_accuracy >= 0.95`.",
+        description="Rules on the run's final metrics, all of which must hold, e.g. `val_accuracy >= 0.95`. A "
+        "language model's may test its lm-evaluation-harness scores, `eval.<task>.<metric>` (e.g. `eval.arith.acc "
+        ">= 0.8`): its version then waits (gate `pending`) until `flotilla eval` measures them.",
     )
     beat_champion: bool = Field(
         False,
@@ -586,7 +589,7 @@ class GateSpec(_Section):
             match = GATE_RULE.match(rule)
             if not match:
                 bad.append(f"{rule!r} is not `<metric> <op> <number>` (op one of >=, <=, >, <)")
-            elif match.group(1) not in known:
+            elif match.group(1) not in known and not match.group(1).startswith("eval."):
                 bad.append(f"{rule!r}: unknown metric {match.group(1)!r}; gates can test {', '.join(known)}")
         if bad:
             raise ValueError("`track.gate.require`: " + "; ".join(bad))
@@ -749,7 +752,7 @@ class RunSpec(_Section):
             lm = gate_metrics("lm")
             for rule in self.track.gate.require:
                 match = GATE_RULE.match(rule)
-                if match and match.group(1) not in lm:
+                if match and match.group(1) not in lm and not match.group(1).startswith("eval."):
                     raise ValueError(
                         f"`track.gate.require`: {rule!r} tests {match.group(1)!r}, which a {self.model.kind} run does not report; "
                         f"use one of {', '.join(lm)}"

@@ -77,6 +77,25 @@ class Registration:
         return f"registered {self.model_name} v{self.version} ({aliases}); gate {self.gate.summary()}"
 
 
+def gate_with_scores(client: MlflowClient, name: str, version: str, gate) -> Registration | None:
+    """The gate of a version that was waiting for its harness scores (`flotilla.gate: pending`), decided
+    again now that they are among its run's metrics: every rule on the run's final metrics and the
+    scores; promoted to champion when they all hold. None when the version was not waiting (its gate
+    passed or failed at registration, on rules that the scores do not change)."""
+    found = client.get_model_version(name, version)
+    if found.tags.get(GATE_TAG) != "pending":
+        return None
+    metrics = dict(client.get_run(found.run_id).data.metrics)
+    decision = check_rules(gate, metrics)
+    with promotion_lock(client, name):
+        client.set_model_version_tag(name, version, GATE_TAG, decision.verdict)
+        client.set_model_version_tag(name, version, "flotilla.gate.detail", redact(decision.summary())[:5000])
+        for key, value in decision.numbers.items():
+            client.set_model_version_tag(name, version, f"flotilla.{key}", str(value)[:5000])
+        champion = set_alias(client, name, CHAMPION, version, locked=True) if decision.verdict == "passed" else None
+    return Registration(name, version, decision, champion)
+
+
 class EpochMetricsLogger:
     """Logs each epoch's metrics with step = epoch, from the driver.
 
@@ -443,12 +462,12 @@ class Tracker:
                 decision = check_rules(gate, metrics)
                 decision.checks.append(f"v{now} became champion while this run was compared; compared again")
                 self._compare_with_champion(decision, prepared, bundle_dir)
-            tags = {GATE_TAG: "passed" if decision.passed else "failed",
+            tags = {GATE_TAG: decision.verdict,
                     "flotilla.gate.detail": redact(decision.summary())}
             tags.update({f"flotilla.{k}": str(v) for k, v in decision.numbers.items()})
             for key, value in tags.items():
                 self.client.set_model_version_tag(name, version, key, value[:5000])
-            champion = set_alias(self.client, name, CHAMPION, version, locked=True) if decision.passed else None
+            champion = set_alias(self.client, name, CHAMPION, version, locked=True) if decision.verdict == "passed" else None
         self.client.set_tag(self.run_id, "flotilla.registered_version", f"{name}/{version}")
         return Registration(name, version, decision, champion)
 

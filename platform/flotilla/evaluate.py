@@ -1,0 +1,212 @@
+"""`flotilla eval`: judge a registered language model with lm-evaluation-harness, through its endpoint.
+
+    outcome = evaluate_model("instruct-lora@candidate", "evals/arith")
+    outcome.metrics            # {"eval.arith.acc": 0.4, "eval.arith_gen.exact_match": 0.1}
+
+The harness (the `lm-eval` library, its `local-completions` model) talks to the version's
+OpenAI-compatible `/v1/completions` as it talks to vLLM or OpenAI: log-likelihoods from `echo` and
+`logprobs`, generations from `max_tokens`, `temperature: 0` and `stop`. `base_url` is the OpenAI
+base URL of an endpoint that serves the model already (`http://HOST:8000/v1`, the router, or a
+model's own `.../v1/models/NAME/v1`); without one the
+version is served for the duration, as a Serve application of its own that the `/v1` router does
+not list (`PRIVATE_APP_PREFIX`), deleted afterwards.
+
+Tasks are the harness's own YAML files, from a directory (or one file) of the user's: a path in a
+task's `dataset_kwargs.data_files` is relative to its YAML file, so a task and its JSON Lines data
+travel together. Each task's metrics are logged to the version (tags `eval.<task>.<metric>`, and
+metrics of the version's run), with the harness's results as an artifact of that run
+(`eval/<tasks>.json`). The gate (`track.gate.require: ["eval.arith.acc >= 0.8"]`) reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from flotilla.errors import SpecError, TrackingError
+from flotilla.export import recorded_spec, version_spec_file
+from flotilla.serve import PRIVATE_APP_PREFIX, deploy, plan_deployment
+from flotilla.track import gate_with_scores, local_bundle
+
+EVAL_PREFIX = "eval."  # tags and run metrics: eval.<task>.<metric>
+
+
+@dataclass
+class EvalOutcome:
+    model: str
+    version: str
+    metrics: dict[str, float]
+    served_at: str
+    results: dict[str, Any] = field(repr=False, default_factory=dict)
+    gate: Any = None  # flotilla.track.Registration: the gate decided again (it was waiting for these scores)
+
+    def describe(self) -> str:
+        lines = [f"{self.model} v{self.version}, through {self.served_at}:"]
+        lines += [f"  {name} {value:.4f}" for name, value in sorted(self.metrics.items())]
+        if self.gate is not None:
+            promoted = "; now champion" if self.gate.champion else ""
+            lines.append(f"gate {self.gate.gate.summary()}{promoted}")
+        return "\n".join(lines)
+
+
+def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, *, base_url: str | None = None,
+                   config: str | None = None, overrides: list[str] = (), limit: int | None = None,
+                   chat: bool | None = None) -> EvalOutcome:
+    """Run the tasks at `tasks` (a directory of task YAML files, or one) against the registered
+    version `reference` names, and log each task's metrics to it. `chat`: render each prompt as a
+    user turn with the model's chat template (None: when its tokenizer has one, as training
+    rendered instructions)."""
+    with tempfile.TemporaryDirectory(prefix="flotilla-eval-") as tmp, \
+            local_bundle(reference, tracking_uri, "flotilla eval") as found:
+        if found.client is None:
+            raise SpecError([f"--model {reference}: `flotilla eval` judges a registered version (NAME@ALIAS, "
+                             "NAME/VERSION), whose metrics it logs; register the bundle first"])
+        names, include = task_files(tasks, Path(tmp) / "tasks")
+        if chat is None:
+            chat = bool(_chat_template(found.path))
+        with _served(found, base_url, config, list(overrides), Path(tmp)) as url:
+            results = run_harness(url, found.name, found.path, names, include, limit=limit, chat=chat)
+        metrics = task_metrics(results)
+        _log(found.client, found.name, found.version, metrics, results, names, Path(tmp))
+        spec = recorded_spec(config or _spec_file(found, Path(tmp)), list(overrides))
+        gated = gate_with_scores(found.client, found.name, found.version, spec.track.gate)
+        return EvalOutcome(found.name, found.version, metrics, url, results, gated)
+
+
+def task_files(tasks: str, into: Path) -> tuple[list[str], Path]:
+    """The task names at `tasks` and a directory of their YAML files with each `data_files` path
+    made absolute (relative to the YAML file it is written in), for the harness's TaskManager."""
+    source = Path(tasks).expanduser()
+    files = sorted(source.glob("*.yaml")) + sorted(source.glob("*.yml")) if source.is_dir() else [source]
+    if not source.exists() or not files:
+        raise SpecError([f"--tasks {tasks}: no task YAML files there; point it at a directory of lm-evaluation-harness "
+                         "task files (e.g. evals/arith) or at one such file"])
+    into.mkdir(parents=True, exist_ok=True)
+    names = []
+    for path in files:
+        try:
+            task = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise SpecError([f"--tasks: {path} is not YAML: {e}"]) from None
+        if not isinstance(task, dict) or not isinstance(task.get("task"), str):
+            raise SpecError([f"--tasks: {path} is not an lm-evaluation-harness task (no `task:` name)"])
+        files_of = (task.get("dataset_kwargs") or {}).get("data_files")
+        if isinstance(files_of, dict):
+            task["dataset_kwargs"]["data_files"] = {split: _beside(path, f) for split, f in files_of.items()}
+        elif files_of is not None:
+            task["dataset_kwargs"]["data_files"] = _beside(path, files_of)
+        (into / path.name).write_text(yaml.safe_dump(task, sort_keys=False))
+        names.append(task["task"])
+    return names, into
+
+
+def _beside(yaml_file: Path, data: Any) -> Any:
+    if isinstance(data, list):
+        return [_beside(yaml_file, d) for d in data]
+    if not isinstance(data, str) or "://" in data or Path(data).is_absolute():
+        return data
+    found = (yaml_file.parent / data).resolve()
+    if not found.exists():
+        raise SpecError([f"--tasks: {yaml_file} names data file {data!r}, which is not at {found}"])
+    return str(found)
+
+
+def _chat_template(bundle_dir: Path) -> str | None:
+    from flotilla.data._instruct import load_tokenizer
+
+    return load_tokenizer(str(bundle_dir)).chat_template
+
+
+@contextlib.contextmanager
+def _served(found, base_url: str | None, config: str | None, overrides: list[str], tmp: Path) -> Iterator[str]:
+    """The URL of an endpoint answering for the version: `base_url`, or one deployed for the duration
+    (all traffic to this version, on a prefix of its own, not listed by the `/v1` router)."""
+    if base_url:
+        yield base_url.rstrip("/")  # an OpenAI base URL: what clients take, `.../v1`
+        return
+    from ray import serve
+
+    spec = recorded_spec(config or _spec_file(found, tmp), [*overrides, f"serve.traffic={{'{found.version}': 100}}",
+                                     f"serve.route_prefix=/{PRIVATE_APP_PREFIX}{found.name}",
+                                     "serve.openai_router=false", "serve.autoscaling.max_replicas=1"])
+    plan = plan_deployment(spec, model=found.name, tracking_uri=found.client.tracking_uri)
+    if plan.kind != "chat":
+        raise SpecError([f"{found.name} v{found.version} is not a language model (its endpoint is {plan.kind}); "
+                         "`flotilla eval` judges language models"])
+    app = f"{PRIVATE_APP_PREFIX}{found.name}"
+    endpoint = deploy(plan, app_name=app)
+    try:
+        yield endpoint.url + "/v1"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(app)
+
+
+def _spec_file(found, tmp: Path) -> str:
+    """The spec the version was trained with (its run's spec.yaml), downloaded once into `tmp`."""
+    done = tmp / "run" / "spec.yaml"
+    if done.is_file():
+        return str(done)
+    return version_spec_file(found, found.client.get_model_version(found.name, found.version).run_id, tmp)
+
+
+def run_harness(url: str, model: str, tokenizer: Path, tasks: list[str], include: Path, *, limit: int | None = None,
+                chat: bool = False) -> dict[str, Any]:
+    """lm-evaluation-harness's `simple_evaluate` with its `local-completions` model at the OpenAI base
+    URL `url` (`.../v1`): the
+    task files under `include` only (none of the harness's built-in tasks, which download data)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    for name in ("lm-eval", "lm_eval"):  # its INFO lines are a page per task
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{url}/completions", "model": model, "tokenizer": str(tokenizer),
+                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
+                    "max_retries": 2, "timeout": 300},
+        tasks=tasks, task_manager=TaskManager(include_path=str(include), include_defaults=False), limit=limit,
+        apply_chat_template=chat, log_samples=False, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
+        torch_random_seed=0, fewshot_random_seed=0,
+    )
+
+
+def task_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """`eval.<task>.<metric>` for each task's metrics (the harness names them `metric,filter`; the
+    filter is kept unless it is `none`; standard errors are left out)."""
+    out = {}
+    for task, values in (results.get("results") or {}).items():
+        for key, value in values.items():
+            metric, _, filtered = key.partition(",")
+            if not filtered or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            name = metric if filtered == "none" else f"{metric}_{filtered}"
+            out[f"{EVAL_PREFIX}{task}.{name.replace('-', '_')}"] = float(value)
+    return out
+
+
+def _log(client, name: str, version: str, metrics: dict[str, float], results: dict[str, Any], tasks: list[str],
+         tmp: Path) -> None:
+    """Each metric as a tag of the version and a metric of its run; the results as its run's artifact."""
+    from mlflow.entities import Metric
+
+    run_id = client.get_model_version(name, version).run_id
+    for key, value in metrics.items():
+        client.set_model_version_tag(name, version, key, f"{value:.6g}")
+    if run_id is None:
+        raise TrackingError(f"{name} v{version} has no run to log its evaluation to")
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+    out = tmp / "eval" / f"{'+'.join(tasks)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: results.get(k) for k in ("results", "configs", "versions", "n-shot", "config")},
+                              indent=1, default=str))
+    client.log_artifact(run_id, str(out), artifact_path="eval")
