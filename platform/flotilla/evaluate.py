@@ -34,7 +34,7 @@ import yaml
 from flotilla.errors import SpecError, TrackingError
 from flotilla.export import recorded_spec, version_spec_file
 from flotilla.serve import PRIVATE_APP_PREFIX, deploy, plan_deployment
-from flotilla.track import gate_with_scores, local_bundle
+from flotilla.track import CHAMPION, GATE_TAG, alias_version, gate_with_scores, local_bundle
 
 EVAL_PREFIX = "eval."  # tags and run metrics: eval.<task>.<metric>
 
@@ -77,7 +77,19 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
         metrics = task_metrics(results)
         _log(found.client, found.name, found.version, metrics, results, names, Path(tmp))
         spec = recorded_spec(config or _spec_file(found, Path(tmp)), list(overrides))
-        gated = gate_with_scores(found.client, found.name, found.version, spec.track.gate)
+        gate, versus = spec.track.gate, None
+        champion = alias_version(found.client, found.name, CHAMPION)
+        waiting = found.client.get_model_version(found.name, found.version).tags.get(GATE_TAG) == "pending"
+        if gate.beat_champion and waiting and champion not in (None, found.version):
+            # The champion on the same tasks, served the same way (the router's NAME is the champion).
+            with local_bundle(f"{found.name}/{champion}", found.client.tracking_uri, "flotilla eval") as theirs, \
+                    _served(theirs, None, config, list(overrides), Path(tmp) / "champion") as their_url:
+                their = run_harness(their_url, found.name, theirs.path, names, include, limit=limit, chat=chat)
+            _log(found.client, found.name, champion, task_metrics(their), their, names, Path(tmp) / "champion")
+            better = higher_is_better(results)
+            versus = {k: (v, task_metrics(their)[k], better.get(k, True)) for k, v in metrics.items()
+                      if k in task_metrics(their)}
+        gated = gate_with_scores(found.client, found.name, found.version, gate, versus, champion)
         return EvalOutcome(found.name, found.version, metrics, url, results, gated)
 
 
@@ -190,6 +202,15 @@ def task_metrics(results: dict[str, Any]) -> dict[str, float]:
                 continue
             name = metric if filtered == "none" else f"{metric}_{filtered}"
             out[f"{EVAL_PREFIX}{task}.{name.replace('-', '_')}"] = float(value)
+    return out
+
+
+def higher_is_better(results: dict[str, Any]) -> dict[str, bool]:
+    """Whether each `eval.<task>.<metric>` is better higher, as the harness says of its metrics."""
+    out = {}
+    for task, metrics in (results.get("higher_is_better") or {}).items():
+        for metric, better in (metrics or {}).items():
+            out[f"{EVAL_PREFIX}{task}.{metric.replace('-', '_')}"] = bool(better)
     return out
 
 

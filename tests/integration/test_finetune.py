@@ -507,6 +507,19 @@ def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned,
             scores.append(sum(logps[len(head) - 1:]))
         right += int(max(range(3), key=scores.__getitem__) == row["answer"])
     assert outcome.metrics["eval.arith.acc"] == pytest.approx(right / limit)
+    # A version whose gate waits for its scores (the same weights registered again), held to the
+    # champion on the same tasks: it scores as the champion does, so it passes, and is promoted.
+    v1 = client.get_model_version("instruct-lora", "1")
+    waiting = client.create_model_version("instruct-lora", source=v1.source, run_id=v1.run_id,
+                                          model_id=v1.model_id).version
+    client.set_model_version_tag("instruct-lora", waiting, "flotilla.gate", "pending")
+    judged = evaluate_model(f"instruct-lora/{waiting}", str(tasks), store_uri(finetuned.store), limit=limit,
+                            overrides=["serve.replica.num_cpus=0.5", "track.gate.require=[eval.arith.acc >= 0.0]",
+                                       "track.gate.beat_champion=true"])
+    print(judged.describe())
+    assert judged.metrics == outcome.metrics
+    assert judged.gate.gate.verdict == "passed" and judged.gate.champion.after == str(waiting)
+    assert "eval.arith.acc" in judged.gate.gate.summary() and "vs champion v1" in judged.gate.gate.summary()
 
 
 def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):

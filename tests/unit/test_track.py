@@ -298,3 +298,28 @@ def test_harness_scores_in_gate_rules_wait_for_flotilla_eval_then_promote(regist
     assert registry.get_model_version("m", version).tags["flotilla.gate.eval.arith.acc"] == "0.7"
     with pytest.raises(SpecError, match="unknown metric 'eval_arith'"):
         load_spec(None, ["track.gate.require=[eval_arith >= 0.5]"])
+
+
+def test_a_waiting_version_must_not_score_worse_than_the_champion_on_the_same_tasks(registry, tmp_path):
+    from flotilla.track import gate_with_scores
+
+    gate = GateSpec(require=["eval.arith.acc >= 0.3"], beat_champion=True, tolerance=0.05)
+    run = registry.create_run(registry.create_experiment("e")).info.run_id
+    registry.log_metric(run, "eval.arith.acc", 0.5)
+    version = registry.create_model_version("m", source=str(tmp_path / "src"), run_id=run).version
+    registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
+    worse = gate_with_scores(registry, "m", version, gate, {"eval.arith.acc": (0.5, 0.6, True)}, "2")
+    assert worse.gate.verdict == "failed" and worse.champion is None
+    assert "eval.arith.acc 0.5000 vs champion v2 0.6000 on the same tasks (higher is better, tolerance 0.05) FAILED" \
+        in worse.gate.summary()
+    registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
+    close = gate_with_scores(registry, "m", version, gate, {"eval.arith.acc": (0.5, 0.54, True),
+                                                            "eval.ppl.word_perplexity": (20.0, 21.0, False)}, "2")
+    assert close.gate.verdict == "passed" and alias_version(registry, "m", CHAMPION) == str(version)
+
+
+def test_the_harness_says_which_scores_are_better_higher():
+    from flotilla.evaluate import higher_is_better
+
+    assert higher_is_better({"higher_is_better": {"arith": {"acc": True}, "wiki": {"word-perplexity": False}}}) == \
+        {"eval.arith.acc": True, "eval.wiki.word_perplexity": False}

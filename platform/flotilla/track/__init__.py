@@ -13,6 +13,7 @@ from flotilla.track._reference import ModelReference, parse_model_reference
 from flotilla.track._registry import (
     CANDIDATE,
     CHAMPION,
+    GATE_TAG,
     AliasChange,
     alias_version,
     champion_history,
@@ -39,6 +40,7 @@ from flotilla.track._sweep_run import STOP_TAG, SWEEP_TAG, TRIAL_TAG, SweepRun
 __all__ = [
     "CANDIDATE",
     "CHAMPION",
+    "GATE_TAG",
     "AliasChange",
     "BundleEvaluator",
     "EpochMetricsLogger",

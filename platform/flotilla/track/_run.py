@@ -77,16 +77,27 @@ class Registration:
         return f"registered {self.model_name} v{self.version} ({aliases}); gate {self.gate.summary()}"
 
 
-def gate_with_scores(client: MlflowClient, name: str, version: str, gate) -> Registration | None:
+def gate_with_scores(client: MlflowClient, name: str, version: str, gate,
+                     versus: dict[str, tuple[float, float, bool]] | None = None,
+                     champion: str | None = None) -> Registration | None:
     """The gate of a version that was waiting for its harness scores (`flotilla.gate: pending`), decided
     again now that they are among its run's metrics: every rule on the run's final metrics and the
-    scores; promoted to champion when they all hold. None when the version was not waiting (its gate
-    passed or failed at registration, on rules that the scores do not change)."""
+    scores, and with `versus` ({score: (this version's, champion v`champion`'s on the same tasks,
+    higher is better)}) no score worse than the champion's beyond `gate.tolerance`; promoted to
+    champion when all hold. None when the version was not waiting (its gate passed or failed at
+    registration, on rules that the scores do not change)."""
     found = client.get_model_version(name, version)
     if found.tags.get(GATE_TAG) != "pending":
         return None
     metrics = dict(client.get_run(found.run_id).data.metrics)
     decision = check_rules(gate, metrics)
+    for score, (ours, theirs, higher) in sorted((versus or {}).items()):
+        ok = ours >= theirs - gate.tolerance if higher else ours <= theirs + gate.tolerance
+        decision.passed &= ok
+        decision.numbers[f"gate.champion_{score}"] = theirs
+        decision.checks.append(f"{score} {ours:.4f} vs champion v{champion} {theirs:.4f} on the same tasks "
+                               f"({'higher' if higher else 'lower'} is better, tolerance {gate.tolerance:g}) "
+                               f"{'ok' if ok else 'FAILED'}")
     with promotion_lock(client, name):
         client.set_model_version_tag(name, version, GATE_TAG, decision.verdict)
         client.set_model_version_tag(name, version, "flotilla.gate.detail", redact(decision.summary())[:5000])
