@@ -25,6 +25,7 @@ import json
 import logging
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -47,10 +48,13 @@ class EvalOutcome:
     served_at: str
     results: dict[str, Any] = field(repr=False, default_factory=dict)
     gate: Any = None  # flotilla.track.Registration: the gate decided again (it was waiting for these scores)
+    note: str | None = None
 
     def describe(self) -> str:
         lines = [f"{self.model} v{self.version}, through {self.served_at}:"]
         lines += [f"  {name} {value:.4f}" for name, value in sorted(self.metrics.items())]
+        if self.note:
+            lines.append(self.note)
         if self.gate is not None:
             promoted = "; now champion" if self.gate.champion else ""
             lines.append(f"gate {self.gate.gate.summary()}{promoted}")
@@ -72,23 +76,28 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
         names, include = task_files(tasks, Path(tmp) / "tasks")
         if chat is None:
             chat = bool(_chat_template(found.path))
+        context = _context_of(found.path)
         with _served(found, base_url, config, list(overrides), Path(tmp)) as url:
-            results = run_harness(url, found.name, found.path, names, include, limit=limit, chat=chat)
+            results = run_harness(url, found.name, found.path, names, include, limit=limit, chat=chat,
+                                  max_length=context)
         metrics = task_metrics(results)
         _log(found.client, found.name, found.version, metrics, results, names, Path(tmp))
-        spec = recorded_spec(config or _spec_file(found, Path(tmp)), list(overrides))
-        gate, versus = spec.track.gate, None
-        champion = alias_version(found.client, found.name, CHAMPION)
         waiting = found.client.get_model_version(found.name, found.version).tags.get(GATE_TAG) == "pending"
-        if gate.beat_champion and waiting and champion not in (None, found.version):
-            # The champion on the same tasks, served the same way (the router's NAME is the champion).
+        if not waiting or limit is not None:  # (a sample of each task scores, it does not decide)
+            note = "gate not decided: --limit scores a sample of each task" if waiting else None
+            return EvalOutcome(found.name, found.version, metrics, url, results, None, note)
+        # The gate the version was registered under (its run's spec), whatever -c or --set serve with.
+        gate, versus = recorded_spec(_spec_file(found, Path(tmp)), []).track.gate, None
+        champion = alias_version(found.client, found.name, CHAMPION)
+        if gate.beat_champion and champion not in (None, found.version):
+            # The champion on the same tasks, served the same way, for the duration.
             with local_bundle(f"{found.name}/{champion}", found.client.tracking_uri, "flotilla eval") as theirs, \
                     _served(theirs, None, config, list(overrides), Path(tmp) / "champion") as their_url:
-                their = run_harness(their_url, found.name, theirs.path, names, include, limit=limit, chat=chat)
-            _log(found.client, found.name, champion, task_metrics(their), their, names, Path(tmp) / "champion")
+                their = run_harness(their_url, found.name, theirs.path, names, include, chat=chat, max_length=context)
+            theirs_metrics = task_metrics(their)
+            _log(found.client, found.name, champion, theirs_metrics, their, names, Path(tmp) / "champion")
             better = higher_is_better(results)
-            versus = {k: (v, task_metrics(their)[k], better.get(k, True)) for k, v in metrics.items()
-                      if k in task_metrics(their)}
+            versus = {k: (v, theirs_metrics[k], better.get(k, True)) for k, v in metrics.items() if k in theirs_metrics}
         gated = gate_with_scores(found.client, found.name, found.version, gate, versus, champion)
         return EvalOutcome(found.name, found.version, metrics, url, results, gated)
 
@@ -142,24 +151,59 @@ def _served(found, base_url: str | None, config: str | None, overrides: list[str
     """The URL of an endpoint answering for the version: `base_url`, or one deployed for the duration
     (all traffic to this version, on a prefix of its own, not listed by the `/v1` router)."""
     if base_url:
-        yield base_url.rstrip("/")  # an OpenAI base URL: what clients take, `.../v1`
+        url = base_url.rstrip("/")  # an OpenAI base URL: what clients take, `.../v1`
+        _check_serves(url, found.name, found.version)
+        yield url
         return
     from ray import serve
 
-    spec = recorded_spec(config or _spec_file(found, tmp), [*overrides, f"serve.traffic={{'{found.version}': 100}}",
-                                     f"serve.route_prefix=/{PRIVATE_APP_PREFIX}{found.name}",
-                                     "serve.openai_router=false", "serve.autoscaling.max_replicas=1"])
+    # Its own application and prefix per evaluation (two at once never answer for each other).
+    app = f"{PRIVATE_APP_PREFIX}{found.name}-v{found.version}-{uuid.uuid4().hex[:6]}"
+    spec = recorded_spec(config or _spec_file(found, tmp), [
+        *overrides, f"serve.traffic={{'{found.version}': 100}}", f"serve.route_prefix=/{app}", "serve.shadow=null",
+        "serve.openai_router=false", "serve.autoscaling.min_replicas=1", "serve.autoscaling.max_replicas=1"])
     plan = plan_deployment(spec, model=found.name, tracking_uri=found.client.tracking_uri)
     if plan.kind != "chat":
         raise SpecError([f"{found.name} v{found.version} is not a language model (its endpoint is {plan.kind}); "
                          "`flotilla eval` judges language models"])
-    app = f"{PRIVATE_APP_PREFIX}{found.name}"
-    endpoint = deploy(plan, app_name=app)
     try:
+        endpoint = deploy(plan, app_name=app)
         yield endpoint.url + "/v1"
     finally:
         with contextlib.suppress(Exception):
             serve.delete(app)
+
+
+def _check_serves(url: str, name: str, version: str, probes: int = 3) -> None:
+    """`url` answers `name` with `version` (the version header of a few short completions): the
+    scores go to that version, and a split or a champion elsewhere would score another one."""
+    import requests
+
+    from flotilla.serve import VERSION_HEADER
+
+    seen = set()
+    for _ in range(probes):
+        answer = requests.post(f"{url}/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1}, timeout=120)
+        if answer.status_code != 200:
+            raise SpecError([f"--base-url {url}: a completion for {name!r} answered {answer.status_code}: "
+                             f"{answer.text[:300]}"])
+        seen.add(answer.headers.get(VERSION_HEADER))
+    if seen != {version}:
+        shown = ", ".join(f"v{v}" for v in sorted(s or "?" for s in seen))
+        raise SpecError([f"--base-url {url} answers {name} with {shown}, not only v{version}: its scores would be "
+                         f"another version's. Leave --base-url out to serve v{version} for the duration"])
+
+
+def _context_of(bundle_dir: Path) -> int | None:
+    """The longest sequence the model reads (its config's `max_position_embeddings`), where it says."""
+    from transformers import AutoConfig
+
+    model = json.loads((bundle_dir / "model.json").read_text())
+    base = (model.get("base") or {}).get("path")
+    for where in (bundle_dir, base):
+        with contextlib.suppress(Exception):
+            return int(AutoConfig.from_pretrained(str(where)).max_position_embeddings)
+    return None
 
 
 def _spec_file(found, tmp: Path) -> str:
@@ -171,7 +215,7 @@ def _spec_file(found, tmp: Path) -> str:
 
 
 def run_harness(url: str, model: str, tokenizer: Path, tasks: list[str], include: Path, *, limit: int | None = None,
-                chat: bool = False) -> dict[str, Any]:
+                chat: bool = False, max_length: int | None = None) -> dict[str, Any]:
     """lm-evaluation-harness's `simple_evaluate` with its `local-completions` model at the OpenAI base
     URL `url` (`.../v1`): the
     task files under `include` only (none of the harness's built-in tasks, which download data)."""
@@ -184,7 +228,8 @@ def run_harness(url: str, model: str, tokenizer: Path, tasks: list[str], include
         model="local-completions",
         model_args={"base_url": f"{url}/completions", "model": model, "tokenizer": str(tokenizer),
                     "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
-                    "max_retries": 2, "timeout": 300},
+                    "max_retries": 2, "timeout": 300,
+                    **({"max_length": max_length} if max_length else {})},
         tasks=tasks, task_manager=TaskManager(include_path=str(include), include_defaults=False), limit=limit,
         apply_chat_template=chat, log_samples=False, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
         torch_random_seed=0, fewshot_random_seed=0,

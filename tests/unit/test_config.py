@@ -85,6 +85,8 @@ def test_preference_tuning_says_what_it_needs():
         load_spec("configs/instruct_lora.yaml", ["data.source=arith-pairs"])
     with pytest.raises(SpecError, match=r"`train.dpo.beta`.*greater than 0"):
         load_spec("configs/instruct_dpo.yaml", ["train.dpo.beta=0"])
+    with pytest.raises(SpecError, match=r"tests a harness score, which `flotilla eval` measures for language models"):
+        load_spec(None, ["track.gate.require=[eval.arith.acc >= 0.5]"])
     spec = load_spec("configs/instruct_dpo.yaml", ["model.adaptation=prompt", "track.gate.require=[val_reward_margin > 0.1]"])
     assert (spec.train.objective, spec.train.dpo.beta, load_spec(None).train.dpo.beta) == ("dpo", 0.5, 0.1)
 

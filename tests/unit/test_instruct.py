@@ -174,3 +174,28 @@ def test_preference_data_and_the_objective_must_agree():
         _check_objective(sft, "preference", "pairs.jsonl", ["prompt", "chosen", "rejected"])
     _check_objective(dpo, "preference", "pairs.jsonl", ["prompt", "chosen", "rejected"])
     assert windows_bytes(10, 0, 48, "preference") == 2 * windows_bytes(10, 0, 48, "prompt_response")
+
+
+def test_a_chat_prompts_own_assistant_turns_take_no_loss_and_scalar_cells_are_text(tiny_llama):
+    import json
+
+    from flotilla.data._prepare import _turns_as_json
+
+    tok = load_tokenizer(tiny_llama)
+    earlier = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+               {"role": "user", "content": "and 3+3?"}]
+    out = TokenWindows(tiny_llama, context=64)({"prompt": np.array([json.dumps(earlier)]),
+                                               "chosen": np.array(["6"]), "rejected": np.array(["7"])})
+    flat = {k: v.reshape(2, 64) for k, v in out.items()}
+    assert [answer_of(flat, i, tok) for i in range(2)] == ["6<|im_end|>\n", "7<|im_end|>\n"]  # not "4" too
+    # a prompt that leaves no room for the answer drops the pair, earlier assistant turns or not
+    long = earlier[:2] + [{"role": "user", "content": "x " * 80}]
+    cut = TokenWindows(tiny_llama, context=64)({"prompt": np.array([json.dumps(long)]), "chosen": np.array(["6"]),
+                                               "rejected": np.array(["7"])})
+    assert cut[INPUT_IDS].shape == (0, 2, 64)
+    # cells as a CSV gives them: numbers become their text; an empty one is named
+    frame = _turns_as_json(pd.DataFrame({"prompt": ["1+1?"], "chosen": [2], "rejected": [3.5]}),
+                           ["prompt", "chosen", "rejected"])
+    assert frame.iloc[0].tolist() == ["1+1?", "2", "3.5"]
+    with pytest.raises(DataError, match="a `rejected` cell is empty"):
+        _turns_as_json(pd.DataFrame({"prompt": ["a"], "chosen": ["b"], "rejected": [None]}), ["prompt", "chosen", "rejected"])

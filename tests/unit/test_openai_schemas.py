@@ -218,6 +218,6 @@ def test_log_probability_requests_parse_as_openai_and_lm_evaluation_harness_send
         with pytest.raises(ValidationError, match=says):
             CompletionRequest.model_validate({"model": "m", **body})
     for extra, says in [({"top_logprobs": 2}, "`top_logprobs` needs `logprobs: true`"),
-                        ({"max_tokens": 0}, "`max_tokens` is at least 1 for a chat completion")]:
+                        ({"max_tokens": 0}, "greater than or equal to 1")]:
         with pytest.raises(ValidationError, match=says):
             ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})

@@ -287,12 +287,13 @@ def test_harness_scores_in_gate_rules_wait_for_flotilla_eval_then_promote(regist
     version = registry.create_model_version("m", source=str(tmp_path / "src"), run_id=run).version
     registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
     set_alias(registry, "m", CHAMPION, "1")
-    registry.log_metric(run, "eval.arith.acc", 0.4)  # measured, and too low: it stays where it is
+    registry.set_model_version_tag("m", version, "eval.arith.acc", "0.4")  # measured, and too low: stays where it is
     low = gate_with_scores(registry, "m", version, gate)
     assert low.gate.verdict == "failed" and low.champion is None and alias_version(registry, "m", CHAMPION) == "1"
     assert gate_with_scores(registry, "m", version, gate) is None  # decided: no longer waiting
     registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
-    registry.log_metric(run, "eval.arith.acc", 0.7)
+    registry.set_model_version_tag("m", version, "eval.arith.acc", "0.7")
+    registry.log_metric(run, "eval.arith.acc", 0.1)  # another version's of the same run: not this one's
     high = gate_with_scores(registry, "m", version, gate)
     assert high.gate.verdict == "passed" and alias_version(registry, "m", CHAMPION) == str(version)
     assert registry.get_model_version("m", version).tags["flotilla.gate.eval.arith.acc"] == "0.7"
@@ -305,9 +306,13 @@ def test_a_waiting_version_must_not_score_worse_than_the_champion_on_the_same_ta
 
     gate = GateSpec(require=["eval.arith.acc >= 0.3"], beat_champion=True, tolerance=0.05)
     run = registry.create_run(registry.create_experiment("e")).info.run_id
-    registry.log_metric(run, "eval.arith.acc", 0.5)
     version = registry.create_model_version("m", source=str(tmp_path / "src"), run_id=run).version
+    registry.set_model_version_tag("m", version, "eval.arith.acc", "0.5")
     registry.set_model_version_tag("m", version, "flotilla.gate", "pending")
+    set_alias(registry, "m", CHAMPION, "2")
+    moved = gate_with_scores(registry, "m", version, gate, {"eval.arith.acc": (0.5, 0.5, True)}, "1")
+    assert moved.gate.verdict == "pending" and "v2 became champion while this version was compared with v1" in \
+        moved.gate.summary() and registry.get_model_version("m", version).tags["flotilla.gate"] == "pending"
     worse = gate_with_scores(registry, "m", version, gate, {"eval.arith.acc": (0.5, 0.6, True)}, "2")
     assert worse.gate.verdict == "failed" and worse.champion is None
     assert "eval.arith.acc 0.5000 vs champion v2 0.6000 on the same tasks (higher is better, tolerance 0.05) FAILED" \

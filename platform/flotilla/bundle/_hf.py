@@ -312,12 +312,16 @@ class HFBundle:
             logits = self._forward(input_ids=inputs).logits[0]
         else:
             logits = self._forward(inputs_embeds=self._prefixed(inputs)).logits[0, len(self.prefix):]
-        logp = logits[:-1].float().log_softmax(-1).cpu()
-        chosen = logp.gather(1, torch.tensor(ids[1:], dtype=torch.long)[:, None])[:, 0].tolist()
-        if not top:
-            return chosen, None
-        best = logp[:, :self.vocab_size].topk(min(top, self.vocab_size), dim=-1)
-        return chosen, [list(zip(i.tolist(), v.tolist())) for v, i in zip(best.values, best.indices)]
+        targets = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
+        chosen: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        for start in range(0, len(ids) - 1, 256):  # (positions x vocabulary in fp32, a slice at a time)
+            logp = logits[start:min(start + 256, len(ids) - 1)].float().log_softmax(-1)
+            chosen += logp.gather(1, targets[start:start + len(logp), None])[:, 0].tolist()
+            if top:
+                best = logp[:, :self.vocab_size].topk(min(top, self.vocab_size), dim=-1)
+                tops += [list(zip(i.tolist(), v.tolist())) for v, i in zip(best.values.cpu(), best.indices.cpu())]
+        return chosen, (tops if top else None)
 
     def generate_stream(self, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_k: int | None = None,
                         seed: int | None = None, chat: bool = False) -> Iterator[str]:

@@ -132,7 +132,7 @@ class TokenWindows:
             return self._plain(str(prompt), str(answer))
         turns = turns if turns is not None else [{"role": "user", "content": str(prompt)}]
         reply = reply if reply is not None else [{"role": "assistant", "content": str(answer)}]
-        return self._chat(turns + reply)
+        return self._chat(turns + reply, answer_from=len(turns))  # (a chat prompt's own assistant turns: no loss)
 
     def _use_chat(self) -> bool:
         if self.chat == "auto":
@@ -148,7 +148,8 @@ class TokenWindows:
         tail = tok(response, add_special_tokens=False)["input_ids"] + [self._eos()]
         return self._cut(head + tail, [False] * len(head) + [True] * len(tail))
 
-    def _chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]] | None:
+    def _chat(self, messages: list[dict[str, str]], answer_from: int = 0) -> tuple[list[int], list[bool]] | None:
+        """`messages` rendered with the chat template; loss on the assistant turns from `answer_from` on."""
         tok = self.tokenizer
         if not tok.chat_template:
             raise DataError(f"`messages` rows need a chat template, and the tokenizer of {self.pretrained!r} has "
@@ -156,7 +157,7 @@ class TokenWindows:
         text = tok.apply_chat_template(messages, tokenize=False)
         spans = []  # character ranges of the assistant turns in `text`
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < answer_from:
                 continue
             before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
             through = tok.apply_chat_template(messages[: i + 1], tokenize=False)

@@ -223,12 +223,16 @@ def _check_objective(spec: RunSpec, row_format: str, where: str, columns: list[s
 
 
 def _turns_as_json(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    def as_json(cell: Any) -> str:
+    def as_json(cell: Any, name: str) -> str:
         if isinstance(cell, str):
             return cell
+        if cell is None or (isinstance(cell, float) and np.isnan(cell)):
+            raise DataError(f"a `{name}` cell is empty; every row needs its {name}")
+        if not isinstance(cell, (list, tuple, np.ndarray)):  # a number in a CSV column: its text
+            return str(cell)
         return json.dumps([{k: (str(v) if v is not None else None) for k, v in dict(m).items()} for m in cell])
 
-    return df.assign(**{name: df[name].map(as_json) for name in columns})
+    return df.assign(**{name: df[name].map(lambda cell, n=name: as_json(cell, n)) for name in columns})
 
 
 def _one_pass(ds: ray.data.Dataset, columns: list[Column], label: str, classes: bool, seed: int,

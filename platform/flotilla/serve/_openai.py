@@ -247,6 +247,8 @@ class ChatCompletionRequest(_Request):
     """`POST /v1/chat/completions`: the assistant's next message in a conversation."""
 
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
+    max_tokens: Optional[Annotated[int, Strict()]] = Field(
+        None, ge=1, description="Most tokens to generate; null: the deployment's limit.")
     max_completion_tokens: Optional[Annotated[int, Strict()]] = Field(
         None, ge=1, description="The newer name of `max_tokens` (what current clients send).")
     logprobs: Optional[bool] = Field(
@@ -276,8 +278,6 @@ class ChatCompletionRequest(_Request):
     def _one_token_limit(self) -> "ChatCompletionRequest":
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise ValueError("`max_tokens` and `max_completion_tokens` differ; send one of them")
-        if self.max_tokens == 0:
-            raise ValueError("`max_tokens` is at least 1 for a chat completion")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("`top_logprobs` needs `logprobs: true`")
         return self

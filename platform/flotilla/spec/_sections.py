@@ -757,6 +757,12 @@ class RunSpec(_Section):
                         f"`track.gate.require`: {rule!r} tests {match.group(1)!r}, which a {self.model.kind} run does not report; "
                         f"use one of {', '.join(lm)}"
                     )
+        if not isinstance(self.model, HFCausalLMSpec):
+            scored = [r for r in self.track.gate.require if (m := GATE_RULE.match(r)) and m.group(1).startswith("eval.")]
+            if scored:
+                raise ValueError(f"`track.gate.require`: {scored[0]!r} tests a harness score, which `flotilla eval` "
+                                 f"measures for language models (`model.kind: hf_causal_lm`), not `{self.model.kind}`; "
+                                 "its version would wait for it forever")
         return self
 
 

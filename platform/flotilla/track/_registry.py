@@ -158,7 +158,9 @@ def set_alias(client: MlflowClient, name: str, alias: str, version: str, force: 
     if not force:
         gate = client.get_model_version(name, str(version)).tags.get(GATE_TAG)
         if gate != "passed":
-            why = "failed its gate" if gate == "failed" else "has no gate record (not registered by a Flotilla run)"
+            why = ("failed its gate" if gate == "failed" else
+                   "waits for its harness scores (gate pending: `flotilla eval` measures them and promotes it if its "
+                   "rules hold)" if gate == "pending" else "has no gate record (not registered by a Flotilla run)")
             raise TrackingError(f"{name} v{version} {why}; champion stays v{alias_version(client, name, CHAMPION)}. "
                                 "Promote it anyway with `flotilla promote --force`")
     with contextlib.nullcontext() if locked else promotion_lock(client, name):

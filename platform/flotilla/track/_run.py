@@ -89,7 +89,13 @@ def gate_with_scores(client: MlflowClient, name: str, version: str, gate,
     found = client.get_model_version(name, version)
     if found.tags.get(GATE_TAG) != "pending":
         return None
-    metrics = dict(client.get_run(found.run_id).data.metrics)
+    # The run's final metrics, and the scores as the version's own tags (a run that registered
+    # several versions holds the last one's scores among its metrics).
+    metrics = {k: v for k, v in client.get_run(found.run_id).data.metrics.items() if not k.startswith("eval.")}
+    for key, value in found.tags.items():
+        if key.startswith("eval."):
+            with contextlib.suppress(ValueError):
+                metrics[key] = float(value)
     decision = check_rules(gate, metrics)
     for score, (ours, theirs, higher) in sorted((versus or {}).items()):
         ok = ours >= theirs - gate.tolerance if higher else ours <= theirs + gate.tolerance
@@ -99,6 +105,13 @@ def gate_with_scores(client: MlflowClient, name: str, version: str, gate,
                                f"({'higher' if higher else 'lower'} is better, tolerance {gate.tolerance:g}) "
                                f"{'ok' if ok else 'FAILED'}")
     with promotion_lock(client, name):
+        now = alias_version(client, name, CHAMPION)
+        if versus is not None and now != champion and decision.passed:  # promoted elsewhere while the tasks ran
+            decision.pending.append(f"the comparison with v{now}")
+            decision.checks.append(f"v{now} became champion while this version was compared with v{champion}; it "
+                                   f"stays waiting: `flotilla eval` again compares it with v{now}")
+            client.set_model_version_tag(name, version, "flotilla.gate.detail", redact(decision.summary())[:5000])
+            return Registration(name, version, decision, None)
         client.set_model_version_tag(name, version, GATE_TAG, decision.verdict)
         client.set_model_version_tag(name, version, "flotilla.gate.detail", redact(decision.summary())[:5000])
         for key, value in decision.numbers.items():

@@ -228,7 +228,7 @@ def train(config: WorkerConfig, session: Session) -> str | None:
     peak = measured_peak_flops(device.type, precision) if is_lm else None
     live = TrainingMetrics(
         config.run_name, rank,
-        tokens_per_sample=schema.context if is_lm else None,
+        tokens_per_sample=(schema.context * (2 if schema.pairs else 1)) if is_lm else None,  # (a pair: two answers)
         flops_per_token=flops_per_token(model_spec, num_params) if is_lm else None,
         peak_flops=peak,
     )
