@@ -464,7 +464,7 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
 CHAT_FUZZ_CASES = 400  # per route: 800 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
 
 
-def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned, tiny_llama):
+def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned, tiny_llama, tmp_path):
     """`flotilla eval`: lm-evaluation-harness (`local-completions`) against the version, served for the
     duration; each task's score on the version (tag) and its run (metric), the results as an artifact.
     The multiple-choice score is the model's own: the choice it finds likeliest, from the bundle here."""
@@ -476,8 +476,14 @@ def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned,
 
     from ._helpers import ROOT
 
-    tasks, limit = ROOT / "evals" / "arith", 12
-    outcome = evaluate_model("instruct-lora/1", str(tasks), store_uri(finetuned.store), limit=limit,
+    # The shipped tasks on their first 12 questions each (four harness runs below).
+    limit, tasks = 12, tmp_path / "arith"
+    tasks.mkdir()
+    for name in ("arith", "arith_gen"):
+        (tasks / f"{name}.yaml").write_text((ROOT / "evals" / "arith" / f"{name}.yaml").read_text())
+        rows = (ROOT / "evals" / "arith" / f"{name}.jsonl").read_text().splitlines()[:limit]
+        (tasks / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    outcome = evaluate_model("instruct-lora/1", str(tasks), store_uri(finetuned.store),
                              overrides=["serve.replica.num_cpus=0.5"])
     print(outcome.describe())
     assert set(outcome.metrics) == {"eval.arith.acc", "eval.arith_gen.exact_match"}
@@ -513,9 +519,9 @@ def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned,
     waiting = client.create_model_version("instruct-lora", source=v1.source, run_id=v1.run_id,
                                           model_id=v1.model_id).version
     client.set_model_version_tag("instruct-lora", waiting, "flotilla.gate", "pending")
-    sample = evaluate_model(f"instruct-lora/{waiting}", str(tasks), store_uri(finetuned.store), limit=limit,
+    sample = evaluate_model(f"instruct-lora/{waiting}", str(tasks), store_uri(finetuned.store), limit=4,
                             overrides=["serve.replica.num_cpus=0.5"])
-    assert sample.metrics == outcome.metrics and sample.gate is None and "--limit" in sample.note  # scored only
+    assert sample.gate is None and "--limit" in sample.note  # scored only
     judged = evaluate_model(f"instruct-lora/{waiting}", str(tasks), store_uri(finetuned.store),
                             overrides=["serve.replica.num_cpus=0.5", "track.gate.beat_champion=false"])
     print(judged.describe())
