@@ -57,8 +57,9 @@ benchmark-predict: $(VENV)/.installed ## batch scoring rows/s and memory against
 benchmark-generate: $(VENV)/.installed ## gpt generation with the KV cache against recomputing the context
 	$(PY) benchmarks/generate_cache.py
 
-benchmark-runtimes: $(VENV)/.installed ## serving by serve.runtime: torch, ONNX and int8 ONNX of one model
+benchmark-runtimes: $(VENV)/.installed ## serving by serve.runtime: torch, ONNX and int8 ONNX of one model; a language model in 4 bits
 	$(PY) benchmarks/serve_runtimes.py
+	$(PY) benchmarks/lm_runtimes.py
 
 benchmark-finetune: $(VENV)/.installed ## LoRA fine-tuning tokens/s against a bare transformers + peft loop
 	$(PY) benchmarks/finetune_throughput.py

@@ -318,7 +318,7 @@ def http_page() -> str:
         "on `serve.host`:`serve.port` (default `127.0.0.1:8000`). The app is chosen by the model's kind.",
         "",
         f"- Every answer names the version that gave it in the `{VERSION_HEADER}` header, and what ran the model "
-        f"(`torch`, `onnx`, `onnx-int8`) in `{RUNTIME_HEADER}`.",
+        f"(`torch`, `onnx`, `onnx-int8`, `onnx-int4`) in `{RUNTIME_HEADER}`.",
         f"- A request with a `{sticky}` header (`serve.sticky_header`) always reaches the same version of a split.",
         "- Bodies are JSON, sent with `Content-Type: application/json` (any other type, or none, is a 415); "
         "numbers must be finite.",

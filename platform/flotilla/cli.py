@@ -21,7 +21,7 @@ from flotilla import __version__
 from flotilla.errors import EXIT_CODES, FlotillaError, NotFiniteError, SpecError
 from flotilla.metrics import primary_metric
 from flotilla.redact import redact, redact_output
-from flotilla.spec import (check_local_paths, load_spec, shipped_specs, spec_json_schema, spec_reference_markdown,
+from flotilla.spec import (VARIANTS, check_local_paths, load_spec, shipped_specs, spec_json_schema, spec_reference_markdown,
                            spec_to_yaml, traffic_override)
 
 # The subcommands import the rest of Flotilla (Ray, torch, MLflow) inside their functions, each
@@ -136,13 +136,16 @@ with their speed measured here, from which serve.runtime=auto picks; a failed on
   flotilla eval --model instruct-lora@candidate --tasks evals/arith
   flotilla eval --model instruct-lora/3 --tasks evals/arith/arith.yaml --limit 20
   flotilla eval --model instruct-lora@champion --tasks my_tasks/ --base-url http://127.0.0.1:8000/v1
+  flotilla eval --model instruct-lora/3 --tasks evals/arith --runtime onnx-int4   # its 4-bit variant vs torch
 Runs the harness's `local-completions` model against the version's /v1/completions: at --base-url
 (where it serves that version), or on an endpoint served for the duration (all traffic to this version, on a prefix of its own that
 the /v1 router does not list; deleted afterwards). Tasks are lm-evaluation-harness task YAML files
 with their data beside them (a `data_files` path is relative to its YAML file); the harness's own
 tasks, which download data, are not loaded. Each task's metrics become tags of the version and
 metrics of its run (`eval.<task>.<metric>`, e.g. eval.arith.acc), which gate rules may test, and the
-harness's results an artifact of the run (eval/<tasks>.json).""",
+harness's results an artifact of the run (eval/<tasks>.json). With --runtime, the variant is scored,
+then torch on the same tasks: its scores are logged as variant.<runtime>.eval.<task>.<metric>, and a
+score worse than torch's by more than export.max_eval_drop fails the variant's gate.""",
     ),
     "validate": (
         "Check a spec (with its overrides) and print it resolved, every default filled in.",
@@ -340,6 +343,10 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                                                      "e.g. http://127.0.0.1:8000/v1 (the router); default: serve the "
                                                      "version for the duration")
     p.add_argument("--limit", type=int, metavar="N", help="at most N examples per task (a quick look)")
+    p.add_argument("--runtime", default="torch", choices=["torch", *VARIANTS],
+                   help="judge a variant `flotilla export` built (e.g. onnx-int4) against torch on the same tasks: "
+                        "a score worse by more than export.max_eval_drop fails its gate (default: torch, the "
+                        "version itself)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_const", const=True, default=None,
                       help="render each prompt as a user turn with the model's chat template (default: when its "
@@ -549,7 +556,7 @@ def _eval(args) -> int:
     from flotilla.evaluate import evaluate_model  # lazy
 
     outcome = evaluate_model(args.model, args.tasks, args.tracking_uri, base_url=args.base_url, config=args.config,
-                             overrides=args.overrides, limit=args.limit, chat=args.chat)
+                             overrides=args.overrides, limit=args.limit, chat=args.chat, runtime=args.runtime)
     print(outcome.describe())
     return 0
 

@@ -16,6 +16,11 @@ task's `dataset_kwargs.data_files` is relative to its YAML file, so a task and i
 travel together. Each task's metrics are logged to the version (tags `eval.<task>.<metric>`, and
 metrics of the version's run), with the harness's results as an artifact of that run
 (`eval/<tasks>.json`). The gate (`track.gate.require: ["eval.arith.acc >= 0.8"]`) reads them.
+
+`runtime` judges one of the version's ONNX variants (`flotilla export`: `onnx-int4`, ...) instead:
+the variant is served, then torch, on the same tasks; the variant's scores are logged as
+`variant.<runtime>.eval.<task>.<metric>`, and a score worse than torch's by more than
+`export.max_eval_drop` fails the variant's gate (`flotilla.export.judge_variant_scores`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any, Iterator
 import yaml
 
 from flotilla.errors import SpecError, TrackingError
-from flotilla.export import recorded_spec, version_spec_file
+from flotilla.export import judge_variant_scores, recorded_spec, version_spec_file
 from flotilla.serve import PRIVATE_APP_PREFIX, deploy, plan_deployment
 from flotilla.track import CHAMPION, GATE_TAG, alias_version, gate_with_scores, local_bundle
 
@@ -63,11 +68,11 @@ class EvalOutcome:
 
 def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, *, base_url: str | None = None,
                    config: str | None = None, overrides: list[str] = (), limit: int | None = None,
-                   chat: bool | None = None) -> EvalOutcome:
+                   chat: bool | None = None, runtime: str = "torch") -> EvalOutcome:
     """Run the tasks at `tasks` (a directory of task YAML files, or one) against the registered
     version `reference` names, and log each task's metrics to it. `chat`: render each prompt as a
     user turn with the model's chat template (None: when its tokenizer has one, as training
-    rendered instructions)."""
+    rendered instructions). `runtime`: what runs the model (torch, or a variant to judge)."""
     with tempfile.TemporaryDirectory(prefix="flotilla-eval-") as tmp, \
             local_bundle(reference, tracking_uri, "flotilla eval") as found:
         if found.client is None:
@@ -77,10 +82,14 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
         if chat is None:
             chat = bool(_chat_template(found.path))
         context = _context_of(found.path)
-        with _served(found, base_url, config, list(overrides), Path(tmp)) as url:
+        served = [*overrides, f"serve.runtime={runtime}"]  # (whatever --set says: the scores are this runtime's)
+        with _served(found, base_url, config, served, Path(tmp), runtime) as url:
             results = run_harness(url, found.name, found.path, names, include, limit=limit, chat=chat,
                                   max_length=context)
         metrics = task_metrics(results)
+        if runtime != "torch":
+            return _judge_variant(found, runtime, url, results, names, include, Path(tmp), config=config,
+                                  overrides=list(overrides), limit=limit, chat=chat, context=context)
         _log(found.client, found.name, found.version, metrics, results, names, Path(tmp))
         waiting = found.client.get_model_version(found.name, found.version).tags.get(GATE_TAG) == "pending"
         if not waiting or limit is not None:  # (a sample of each task scores, it does not decide)
@@ -92,7 +101,7 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
         if gate.beat_champion and champion not in (None, found.version):
             # The champion on the same tasks, served the same way, for the duration.
             with local_bundle(f"{found.name}/{champion}", found.client.tracking_uri, "flotilla eval") as theirs, \
-                    _served(theirs, None, config, list(overrides), Path(tmp) / "champion") as their_url:
+                    _served(theirs, None, config, served, Path(tmp) / "champion") as their_url:
                 their = run_harness(their_url, found.name, theirs.path, names, include, chat=chat, max_length=context)
             theirs_metrics = task_metrics(their)
             _log(found.client, found.name, champion, theirs_metrics, their, names, Path(tmp) / "champion")
@@ -100,6 +109,27 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
             versus = {k: (v, theirs_metrics[k], better.get(k, True)) for k, v in metrics.items() if k in theirs_metrics}
         gated = gate_with_scores(found.client, found.name, found.version, gate, versus, champion)
         return EvalOutcome(found.name, found.version, metrics, url, results, gated)
+
+
+def _judge_variant(found, runtime: str, url: str, results: dict[str, Any], names: list[str], include: Path, tmp: Path,
+                   *, config: str | None, overrides: list[str], limit: int | None, chat: bool,
+                   context: int | None) -> EvalOutcome:
+    """A variant's scores, logged under its name; then torch on the same tasks, and the variant's gate."""
+    metrics = task_metrics(results)
+    own = {f"variant.{runtime}.{key}": value for key, value in metrics.items()}
+    _log(found.client, found.name, found.version, own, results, [runtime, *names], tmp)
+    if limit is not None:
+        return EvalOutcome(found.name, found.version, own, url, results, None,
+                           f"{runtime} not judged: --limit scores a sample of each task")
+    with _served(found, None, config, [*overrides, "serve.runtime=torch"], tmp / "torch", "torch") as torch_url:
+        theirs = task_metrics(run_harness(torch_url, found.name, found.path, names, include, chat=chat,
+                                          max_length=context))
+    better = higher_is_better(results)
+    max_drop = recorded_spec(config or _spec_file(found, tmp), overrides).export.max_eval_drop
+    record = judge_variant_scores(found, runtime, {k: (v, theirs[k], better.get(k, True))
+                                                   for k, v in metrics.items() if k in theirs}, max_drop)
+    verdict = f"{runtime} gate {'passed' if record['passed'] else 'FAILED'}: {record['reason']}"
+    return EvalOutcome(found.name, found.version, own, url, results, None, verdict)
 
 
 def task_files(tasks: str, into: Path) -> tuple[list[str], Path]:
@@ -147,12 +177,14 @@ def _chat_template(bundle_dir: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def _served(found, base_url: str | None, config: str | None, overrides: list[str], tmp: Path) -> Iterator[str]:
-    """The URL of an endpoint answering for the version: `base_url`, or one deployed for the duration
-    (all traffic to this version, on a prefix of its own, not listed by the `/v1` router)."""
+def _served(found, base_url: str | None, config: str | None, overrides: list[str], tmp: Path,
+            runtime: str = "torch") -> Iterator[str]:
+    """The URL of an endpoint answering for the version, run by `runtime`: `base_url`, or one deployed
+    for the duration (all traffic to this version, on a prefix of its own, not listed by the `/v1`
+    router)."""
     if base_url:
         url = base_url.rstrip("/")  # an OpenAI base URL: what clients take, `.../v1`
-        _check_serves(url, found.name, found.version)
+        _check_serves(url, found.name, found.version, runtime)
         yield url
         return
     from ray import serve
@@ -174,20 +206,25 @@ def _served(found, base_url: str | None, config: str | None, overrides: list[str
             serve.delete(app)
 
 
-def _check_serves(url: str, name: str, version: str, probes: int = 3) -> None:
-    """`url` answers `name` with `version` (the version header of a few short completions): the
-    scores go to that version, and a split or a champion elsewhere would score another one."""
+def _check_serves(url: str, name: str, version: str, runtime: str = "torch", probes: int = 3) -> None:
+    """`url` answers `name` with `version` run by `runtime` (the headers of a few short completions):
+    the scores go to that version, and a split or a champion elsewhere would score another one."""
     import requests
 
-    from flotilla.serve import VERSION_HEADER
+    from flotilla.serve import RUNTIME_HEADER, VERSION_HEADER
 
-    seen = set()
+    seen, runtimes = set(), set()
     for _ in range(probes):
         answer = requests.post(f"{url}/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1}, timeout=120)
         if answer.status_code != 200:
             raise SpecError([f"--base-url {url}: a completion for {name!r} answered {answer.status_code}: "
                              f"{answer.text[:300]}"])
         seen.add(answer.headers.get(VERSION_HEADER))
+        runtimes.add(answer.headers.get(RUNTIME_HEADER))
+    if seen == {version} and runtimes != {runtime}:
+        raise SpecError([f"--base-url {url} runs {name} v{version} with {', '.join(sorted(r or '?' for r in runtimes))}, "
+                         f"not {runtime}: its scores would be another runtime's. Leave --base-url out to serve it "
+                         f"with {runtime} for the duration"])
     if seen != {version}:
         shown = ", ".join(f"v{v}" for v in sorted(s or "?" for s in seen))
         raise SpecError([f"--base-url {url} answers {name} with {shown}, not only v{version}: its scores would be "

@@ -8,8 +8,10 @@ A variant is `variants/<name>/model.onnx` in the bundle directory; `variants/var
 records, per variant, whether it passed its gate, the numbers the gate compared, and the speed
 measured on the exporting machine (also for `torch`), from which `serve.runtime: auto` picks.
 The graph holds the model only: preprocessing stays the bundle's own, so every runtime sees the
-same inputs. A `gpt` graph takes and returns the KV cache (`tokens, past_keys, past_values ->
-logits, keys, values`), so generation with ONNX Runtime is incremental too.
+same inputs. A language model's graph takes and returns the KV cache, so generation with ONNX
+Runtime is incremental too (`gpt`: `tokens, past_keys, past_values -> logits, keys, values`; a
+fine-tuned Hugging Face model also takes `attention_mask` and `position_ids`, so left-padded
+prompts decode together). `onnx-int4` (language models) holds that graph's weights in 4 bits.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import torch
 
 from flotilla.bundle import ALLOW_ON_COMMAND_LINE, ONNX_FILE, VARIANTS_DIR, VARIANTS_JSON, OnnxModel, choose_runtime, load_bundle
 from flotilla.data import TOKENS, ByteWindows, prepare_data
+from flotilla.data._instruct import INPUT_IDS
 from flotilla.errors import BundleError, TrackingError
 from flotilla.metrics import primary_metric
 from flotilla.redact import redact
 from flotilla.runtime import ensure_ray
 from flotilla.spec import load_spec
-from flotilla.track import BundleEvaluator, LocalBundle, local_bundle
+from flotilla.track import BundleEvaluator, LocalBundle, local_bundle, registered_variants
 
 
 class _GPTGraph(torch.nn.Module):
@@ -62,15 +65,54 @@ class _GPTGraph(torch.nn.Module):
         return logits, torch.stack(keys), torch.stack(values)
 
 
+class _HFGraph(torch.nn.Module):
+    """A Hugging Face causal LM's forward pass as a graph whose cache is tensors in and out: keys and
+    values stacked over the layers, `(layers, batch, kv heads, tokens, head width)`."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask, position_ids, past_keys, past_values):
+        from transformers import DynamicCache
+
+        layers = past_keys.shape[0]
+        cache = DynamicCache(config=self.hf.config)
+        for i in range(layers):
+            cache.update(past_keys[i], past_values[i], i)
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                      use_cache=True)
+        grown = out.cache if hasattr(out, "cache") else out.past_key_values
+        return (out.logits, torch.stack([grown.layers[i].keys for i in range(layers)]),
+                torch.stack([grown.layers[i].values for i in range(layers)]))
+
+
 def export_onnx(bundle, path: Path) -> None:
-    """The bundle's torch model as an ONNX graph with a dynamic batch (and, for `gpt`, dynamic new
-    and cached token counts)."""
+    """The bundle's torch model as an ONNX graph with a dynamic batch (and, for language models,
+    dynamic new and cached token counts)."""
     from torch.export import Dim
 
     kind = bundle.model_spec.get("kind")
     model = bundle.model.eval()
     batch = Dim("batch", min=1, max=65536)
-    if kind == "mlp":
+    if kind == "hf_causal_lm":
+        if bundle.prefix is not None:
+            raise BundleError("`flotilla export` builds ONNX variants of token-id models; a prompt-tuning version's "
+                              "virtual tokens run in torch: serve it with `--set serve.runtime=torch`")
+        config = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (config.num_hidden_layers, 2, kv_heads, 3, width)
+        model = _HFGraph(model).eval()
+        args = (torch.ones(2, 4, dtype=torch.long), torch.ones(2, 7, dtype=torch.long),
+                torch.arange(3, 7).expand(2, 4).clone(), torch.zeros(shape), torch.ones(shape))
+        most = getattr(config, "max_position_embeddings", None) or 1 << 16
+        new, past = Dim("tokens", min=1, max=most), Dim("past", min=0, max=most - 1)
+        names = ["input_ids", "attention_mask", "position_ids", "past_keys", "past_values"]
+        outputs = ["logits", "keys", "values"]
+        dynamic = ({0: batch, 1: new}, {0: batch, 1: Dim("attended", min=1, max=most)}, {0: batch, 1: new},
+                   {1: batch, 3: past}, {1: batch, 3: past})
+    elif kind == "mlp":
         args = (torch.zeros(2, bundle.schema.num_features),)
         names, outputs, dynamic = ["features"], ["output"], ({0: batch},)
     elif kind == "gpt":
@@ -85,7 +127,8 @@ def export_onnx(bundle, path: Path) -> None:
         names, outputs = ["tokens", "past_keys", "past_values"], ["logits", "keys", "values"]
         dynamic = ({0: batch, 1: new}, {1: batch, 3: past}, {1: batch, 3: past})
     else:
-        raise BundleError(f"`flotilla export` builds ONNX variants of `mlp` and `gpt` models; this bundle's model is "
+        raise BundleError(f"`flotilla export` builds ONNX variants of `mlp`, `gpt` and `hf_causal_lm` models; this "
+                          f"bundle's model is "
                           f"`{kind}`: serve it with `--set serve.runtime=torch`")
     with warnings.catch_warnings(), _quiet("torch.onnx", "torch.export", "onnxscript"):
         warnings.simplefilter("ignore")
@@ -99,6 +142,22 @@ def quantize_int8(source: Path, target: Path) -> None:
 
     with _quiet("root", "onnxruntime"):  # its advice to pre-process first is a log line, not our doing
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
+
+
+def quantize_int4(source: Path, target: Path, block_size: int = 32) -> None:
+    """ONNX Runtime's 4-bit weight-only quantization: each matrix multiplication's weights (and the
+    token embedding's) in blocks of `block_size` along the input, one scale per block, symmetric
+    (`MatMulNBits`, `GatherBlockQuantized`); activations stay in floating point."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
+                                          op_types_to_quantize=("MatMul", "Gather"))
+    with _quiet("root", "onnxruntime"), warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore")  # (an all-zero block divides 0 by its zero scale, then is written as 0)
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), algo_config=config)
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(target), use_external_data_format=False)
 
 
 @contextlib.contextmanager
@@ -129,6 +188,9 @@ def build_variants(bundle, batches: Iterable[pd.DataFrame], export, label_column
         if "onnx-int8" in export.variants:
             quantize_int8(fp32, Path(tmp) / "int8.onnx")
             built["onnx-int8"] = Path(tmp) / "int8.onnx"
+        if "onnx-int4" in export.variants and bundle.task == "lm":  # (weights in 4 bits: language models)
+            quantize_int4(fp32, Path(tmp) / "int4.onnx", export.int4_block_size)
+            built["onnx-int4"] = Path(tmp) / "int4.onnx"
         if out.exists():
             shutil.rmtree(out)
         for name, file in built.items():
@@ -185,6 +247,10 @@ def _gate(bundle, variants: dict, batches: Iterable[pd.DataFrame], export, label
 def _outputs(bundle, batch: pd.DataFrame, label_column, text_column) -> np.ndarray | None:
     """What the runtimes must agree on: class probabilities, predictions, or (language models) the
     next-token probabilities of the batch's first windows."""
+    if INPUT_IDS in batch.columns:  # a pretrained model's token windows (a preference pair's chosen one)
+        inputs = torch.as_tensor(np.stack(batch[INPUT_IDS].head(8).to_numpy()))
+        inputs = inputs[:, 0] if inputs.dim() == 3 else inputs
+        return torch.softmax(bundle.logits(inputs).float(), dim=-1).numpy()
     if bundle.task == "lm":
         windows = ByteWindows(text_column, bundle.schema.context)._transform_pandas(batch.head(8))[TOKENS]
         if len(windows) == 0:
@@ -200,12 +266,13 @@ def measure_speed(bundle, seconds: float = 1.0) -> dict[str, Any]:
     (tables), or tokens/s of a 64-token greedy generation (language models); `per_s` is the one
     number `serve.runtime: auto` ranks by."""
     if bundle.task == "lm":
-        bundle.generate("def ", max_tokens=4, temperature=0.0)
+        generate = _greedy_tokens(bundle)
+        generate(4)
         runs = []
         for _ in range(3):
             start = time.perf_counter()
-            bundle.generate("def ", max_tokens=64, temperature=0.0)
-            runs.append(64 / (time.perf_counter() - start))
+            count = generate(64)
+            runs.append(count / (time.perf_counter() - start))
         return {"per_s": statistics.median(runs), "unit": "tokens/s (64-token generation)"}
     batch, one = bundle.example_rows(32), bundle.example_rows(1)
     bundle.predict_arrays(batch)
@@ -220,6 +287,19 @@ def measure_speed(bundle, seconds: float = 1.0) -> dict[str, Any]:
         bundle.predict_arrays(one)
         latencies.append((time.perf_counter() - t) * 1000)
     return {"per_s": rate, "unit": "rows/s (32-row batches)", "p50_ms_one_row": statistics.median(latencies)}
+
+
+def _greedy_tokens(bundle):
+    """A greedy generation of n tokens after "def " that counts what it made (a fine-tuned model's
+    end of text is banned, so that it runs the n tokens)."""
+    if hasattr(bundle, "generate_ids"):
+        ids, ban = bundle.encode("def "), {token: -100.0 for token in bundle.stop_ids()}
+        return lambda n: sum(1 for _ in bundle.generate_ids(ids, max_tokens=n, temperature=0.0, logit_bias=ban))
+
+    def generate(n: int) -> int:
+        bundle.generate("def ", max_tokens=n, temperature=0.0)
+        return n
+    return generate
 
 
 # --------------------------------------------------------------------- registered versions
@@ -275,12 +355,53 @@ def export_model(reference: str, tracking_uri: str | None = None, config: str | 
             ensure_ray(spec)
             prepared = prepare_data(spec)
         schema = prepared.schema
-        batches = prepared.val_raw.iter_batches(batch_size=2048, batch_format="pandas")
+        # A pretrained model's rows are scored as this run's token windows (`input_ids`, `labels`).
+        rows_of = prepared.val if schema.masked else prepared.val_raw
+        batches = rows_of.iter_batches(batch_size=256 if schema.masked else 2048, batch_format="pandas")
         records = build_variants(bundle, batches, spec.export, schema.label_column, schema.text_column)
         if found.client is None:
             return ExportOutcome(reference, None, found.path, records)
         _publish(found.client, found.name, found.version, found.path, found.relative, records)
         return ExportOutcome(found.name, found.version, found.path, records)
+
+
+def judge_variant_scores(found: LocalBundle, runtime: str, scores: dict[str, tuple[float, float, bool]],
+                         max_drop: float) -> dict[str, Any]:
+    """The second half of a language model's variant gate, from `flotilla eval --runtime`: each
+    task's score of the variant against torch's on the same tasks (`scores`: metric -> (variant,
+    torch, higher is better)). The variant fails when any is worse by more than `max_drop`; its
+    record (variants.json of the version's model) and its `flotilla.runtime.<variant>` tag say so,
+    and serving refuses a failed variant as one that failed its parity check. Judged
+    again, the latest scores decide (the parity verdict stays)."""
+    from mlflow.entities import Metric
+
+    client, name, version = found.client, found.name, found.version
+    records = registered_variants(client, name, version)
+    record = records.get(runtime)
+    if record is None:
+        raise BundleError(f"{name} v{version} has no {runtime} variant to judge; build it with "
+                          f"`flotilla export --model {name}/{version}`")
+    record.setdefault("parity_passed", record["passed"])
+    record.setdefault("parity_reason", record["reason"])
+    worse = {k: (t - v if higher else v - t) for k, (v, t, higher) in scores.items()}
+    ok = all(drop <= max_drop for drop in worse.values())
+    said = ", ".join(f"{k.removeprefix('eval.')} {v:.4f} vs torch's {t:.4f}" for k, (v, t, _) in sorted(scores.items()))
+    record["eval"] = {k: {"variant": v, "torch": t} for k, (v, t, _) in scores.items()}
+    record["eval_passed"] = ok
+    record["passed"] = bool(record["parity_passed"] and ok)
+    record["reason"] = (f"{record['parity_reason']}; eval {'within' if ok else 'FAILED'}: {said} "
+                        f"(at most {max_drop:g} worse)")
+    registered = client.get_model_version(name, version)
+    with tempfile.TemporaryDirectory(prefix="flotilla-variants-") as tmp:  # the records alone, not the graphs again
+        (Path(tmp) / VARIANTS_JSON).write_text(json.dumps(records, indent=1))
+        client.log_model_artifacts(_model_id(registered), tmp, artifact_path=f"{found.relative}/{VARIANTS_DIR}")
+    speed = record.get("speed", {})
+    tag = f"{'passed' if record['passed'] else 'failed'}: {record['reason']}; {speed.get('per_s', 0):.0f} {speed.get('unit', '')}"
+    client.set_model_version_tag(name, version, f"flotilla.runtime.{runtime}", redact(tag)[:5000])
+    client.set_model_version_tag(name, version, "flotilla.runtime.auto", choose_runtime(records, "auto", name))
+    client.log_batch(registered.run_id, metrics=[Metric(f"variant.{runtime}.gate_passed", float(record["passed"]),
+                                                   int(time.time() * 1000), 0)])
+    return record
 
 
 def recorded_spec(path: str, overrides: list[str]):

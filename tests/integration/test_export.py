@@ -89,9 +89,9 @@ def test_digits_variants_pass_their_gate_answer_over_http_like_torch_and_a_faile
     assert code == 0 and "onnx-int8   " in out and "gate FAILED: val_accuracy" in out, out
     verdict = client.get_model_version("digits", "1").tags["flotilla.runtime.onnx-int8"]
     assert verdict.startswith("failed: val_accuracy") and "at most -1" in verdict, verdict
-    with pytest.raises(ServeError, match=r"serve.runtime=onnx-int8: digits v1: its onnx-int8 variant failed its parity gate \(val_accuracy .*largest probability difference.*\); it is never served"):
+    with pytest.raises(ServeError, match=r"serve.runtime=onnx-int8: digits v1: its onnx-int8 variant failed its gate \(val_accuracy .*largest probability difference.*\); it is never served"):
         plan_deployment(digits_spec(store, "serve.runtime=onnx-int8", *common))
-    with pytest.raises(TrackingError, match="failed its parity gate"):  # nor by a replica that loads it anyway
+    with pytest.raises(TrackingError, match="failed its gate"):  # nor by a replica that loads it anyway
         load_registered_bundle(client, "digits", "1", runtime="onnx-int8")
     assert load_registered_bundle(client, "digits", "1", runtime="auto").runtime in ("torch", "onnx")
 

@@ -531,6 +531,93 @@ def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned,
     assert "eval.arith.acc" in summary and "eval.arith_gen.exact_match" in summary and "vs champion v1" in summary
 
 
+def test_the_4bit_variant_passes_its_gate_keeps_the_cache_and_answers_the_chat_routes(finetuned, tiny_llama,
+                                                                                       capsys, tmp_path):
+    """`flotilla export` of the registered adapter version (merged into its base for the graph): the
+    fp32 graph decodes exactly as torch does, the 4-bit one passes its perplexity gate in fewer than
+    half the bytes, decodes a batch of prompts as it decodes each alone (its KV cache in and out of
+    the graph, left padding masked), and a replica with `serve.runtime: onnx-int4` answers the stock
+    OpenAI client with the variant's own tokens. Then `flotilla eval --runtime onnx-int4` judges it
+    against torch on the harness's tasks."""
+    from mlflow import MlflowClient
+    from openai import OpenAI
+    from ray import serve
+
+    from flotilla.cli import main
+    from flotilla.serve import deploy, plan_deployment
+    from flotilla.track import load_registered_bundle, registered_variants
+
+    uri = store_uri(finetuned.store)
+    code = main(["export", "--model", "instruct-lora/1", "--tracking-uri", uri, "--set",
+                 "export.variants=[onnx,onnx-int4]"])
+    out = capsys.readouterr().out
+    print(out)
+    assert code == 0 and "onnx-int4" in out, out
+    client = MlflowClient(uri)
+    tags = client.get_model_version("instruct-lora", "1").tags
+    for variant in ("onnx", "onnx-int4"):  # held-out perplexity within 2 % of torch's
+        assert tags[f"flotilla.runtime.{variant}"].startswith("passed: val_perplexity"), tags
+
+    torch_bundle = load_registered_bundle(client, "instruct-lora", "1")
+    fp32 = load_registered_bundle(client, "instruct-lora", "1", runtime="onnx")
+    int4 = load_registered_bundle(client, "instruct-lora", "1", runtime="onnx-int4")
+    assert (fp32.runtime, int4.runtime) == ("onnx", "onnx-int4")
+    records = registered_variants(client, "instruct-lora", "1")
+    assert records["onnx-int4"]["bytes"] < 0.5 * records["onnx"]["bytes"], records
+    questions = ["What is 12 plus 7?", "What is 3 times 4?", "Write the number forty-two in digits, please."]
+    prompts = [torch_bundle.encode(q, chat=True) for q in questions]
+    greedy = [dict(max_tokens=12, temperature=0.0)] * len(prompts)
+    assert fp32.generate_ids_batch(prompts, greedy) == torch_bundle.generate_ids_batch(prompts, greedy)
+    together = int4.generate_ids_batch(prompts, greedy)
+    assert together == [list(int4.generate_ids(p, max_tokens=12, temperature=0.0)) for p in prompts]
+    assert any(together)
+
+    spec = instruct_spec(finetuned.store, tiny_llama, f"serve.port={free_port()}", "serve.replica.num_cpus=0.5",
+                         "serve.autoscaling.max_replicas=1", "serve.runtime=onnx-int4", "serve.openai_router=false")
+    endpoint = deploy(plan_deployment(spec))
+    try:
+        openai = OpenAI(base_url=endpoint.url + "/v1", api_key="unused", max_retries=0)
+        expected = [int4.generate(q, max_tokens=12, temperature=0, chat=True) for q in questions]
+
+        def ask(question: str):
+            return openai.chat.completions.with_raw_response.create(
+                model="instruct-lora", messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0)
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            answers = list(pool.map(ask, questions))
+        assert [a.parse().choices[0].message.content for a in answers] == expected
+        assert {a.headers["X-Model-Runtime"] for a in answers} == {"onnx-int4"}
+    finally:
+        serve.shutdown()
+
+    # Its gate's second half: the harness scores the variant, then torch, on the same tasks (the shipped
+    # ones' first 8 questions). Held to a bar no variant meets (better than torch by a whole point),
+    # it fails: the record, the tag and serving say so.
+    from flotilla.errors import ServeError
+    from flotilla.evaluate import evaluate_model
+
+    from ._helpers import ROOT
+
+    tasks = tmp_path / "arith"
+    tasks.mkdir()
+    for name in ("arith", "arith_gen"):
+        (tasks / f"{name}.yaml").write_text((ROOT / "evals" / "arith" / f"{name}.yaml").read_text())
+        rows = (ROOT / "evals" / "arith" / f"{name}.jsonl").read_text().splitlines()[:8]
+        (tasks / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    judged = evaluate_model("instruct-lora/1", str(tasks), uri, runtime="onnx-int4",
+                            overrides=["serve.replica.num_cpus=0.5", "export.max_eval_drop=-1"])
+    print(judged.describe())
+    assert set(judged.metrics) == {"variant.onnx-int4.eval.arith.acc", "variant.onnx-int4.eval.arith_gen.exact_match"}
+    record = registered_variants(client, "instruct-lora", "1")["onnx-int4"]
+    assert record["parity_passed"] and not record["eval_passed"] and not record["passed"], record
+    assert {k: v["variant"] for k, v in record["eval"].items()} == \
+        {k.removeprefix("variant.onnx-int4."): v for k, v in judged.metrics.items()}
+    tag = client.get_model_version("instruct-lora", "1").tags["flotilla.runtime.onnx-int4"]
+    assert tag.startswith("failed: val_perplexity") and "eval FAILED: arith.acc" in tag, tag
+    with pytest.raises(ServeError, match=r"its onnx-int4 variant failed its gate \(val_perplexity .* eval FAILED"):
+        plan_deployment(spec)
+
+
 def test_fuzzed_chat_requests_never_get_a_5xx(finetuned, tiny_llama):
     """Hypothesis draws bodies for both OpenAI routes from the schemas the chat app publishes
     (`hypothesis-jsonschema` over its `/openapi.json`), half of them naming the served model with a

@@ -18,6 +18,7 @@ from flotilla.spec import (
 from flotilla.errors import SpecError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -70,6 +71,16 @@ def test_cross_field_rules_name_the_flags():
         load_spec(None, ["train.offload_params=cpu", "train.zero_stage=2"])
     with pytest.raises(SpecError, match="model.kind.*'transformer' is not a model kind"):
         load_spec(None, ["model.kind=transformer"])
+
+
+def test_4bit_weights_are_a_variant_and_a_runtime_with_a_block_size_onnx_runtime_takes():
+    spec = load_spec(ROOT / "configs" / "instruct_lora.yaml", ["export.variants=[onnx-int4]", "serve.runtime=onnx-int4"])
+    assert (spec.export.variants, spec.serve.runtime, spec.export.int4_block_size) == (["onnx-int4"], "onnx-int4", 32)
+    assert "onnx-int4" in load_spec(ROOT / "configs" / "instruct_lora.yaml", []).export.variants  # built by default
+    with pytest.raises(SpecError, match=r"`export.int4_block_size`.*16, 32, 64, 128 or 256 \(got 48\)"):
+        load_spec(ROOT / "configs" / "instruct_lora.yaml", ["export.int4_block_size=48"])
+    with pytest.raises(SpecError, match=r"`export.variants.0`.*'onnx-int4' \(got 'onnx-int3'\)"):
+        load_spec(ROOT / "configs" / "instruct_lora.yaml", ["export.variants=[onnx-int3]"])
 
 
 def test_preference_tuning_says_what_it_needs():

@@ -9,7 +9,7 @@ import torch
 
 from flotilla.errors import BundleError
 from flotilla.bundle import OnnxModel, read_variants
-from flotilla.export import export_onnx, quantize_int8
+from flotilla.export import export_onnx, quantize_int4, quantize_int8
 from flotilla.models import GPT, MLP
 
 
@@ -42,8 +42,26 @@ def test_a_gpt_graph_takes_and_returns_its_cache(tmp_path):
     assert cache.length == 12 and torch.allclose(torch.cat(pieces, dim=1), expected, atol=1e-4)
 
 
-def test_only_mlp_and_gpt_models_export():
+def test_a_gpt_graph_in_4_bits_is_a_third_of_the_bytes_and_keeps_its_cache(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(256, 16, 2, 2, 64).eval()
+    bundle = SimpleNamespace(model=model, model_spec={"kind": "gpt"}, schema=SimpleNamespace(context=16))
+    export_onnx(bundle, tmp_path / "gpt.onnx")
+    quantize_int4(tmp_path / "gpt.onnx", tmp_path / "int4.onnx")
+    assert (tmp_path / "int4.onnx").stat().st_size < 0.35 * (tmp_path / "gpt.onnx").stat().st_size
+    int4 = OnnxModel(tmp_path / "int4.onnx")
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        expected = torch.softmax(model(tokens), -1)
+    whole = int4(tokens)
+    assert (torch.softmax(whole, -1) - expected).abs().max() < 0.05  # 4-bit weights: close, not equal
+    cache = int4.new_cache(batch=2)
+    pieces = [int4.step(tokens[:, :5], cache)] + [int4.step(tokens[:, i:i + 1], cache) for i in range(5, 12)]
+    assert cache.length == 12 and torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-4)
+
+
+def test_only_mlp_gpt_and_hf_causal_lm_models_export():
     bundle = SimpleNamespace(model=torch.nn.Linear(3, 2), model_spec={"kind": "custom"}, schema=None)
-    with pytest.raises(BundleError, match="builds ONNX variants of `mlp` and `gpt` models; this bundle's model is "
-                                          "`custom`: serve it with `--set serve.runtime=torch`"):
+    with pytest.raises(BundleError, match="builds ONNX variants of `mlp`, `gpt` and `hf_causal_lm` models; this "
+                                          "bundle's model is `custom`: serve it with `--set serve.runtime=torch`"):
         export_onnx(bundle, "unused.onnx")

@@ -159,7 +159,7 @@ def test_serve_runtime_takes_a_variant_only_when_it_passed_and_auto_the_fastest_
     assert choose_runtime(records, "auto", "digits v1") == "onnx"  # int8 is faster, but failed its gate
     assert choose_runtime(records, "onnx", "digits v1") == "onnx"
     assert choose_runtime(records, "torch", "digits v1") == "torch"
-    with pytest.raises(BundleError, match=r"digits v1: its onnx-int8 variant failed its parity gate \(accuracy drop 0.90"):
+    with pytest.raises(BundleError, match=r"digits v1: its onnx-int8 variant failed its gate \(accuracy drop 0.90"):
         choose_runtime(records, "onnx-int8", "digits v1")
     with pytest.raises(BundleError, match="digits v1 has no onnx variant; build it with `flotilla export"):
         choose_runtime({}, "onnx", "digits v1")

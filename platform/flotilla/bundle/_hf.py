@@ -25,12 +25,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from flotilla.bundle._onnx import ONNX_FILE, VARIANTS_DIR, OnnxCausalLM, choose_runtime, read_variants
 from flotilla.bundle._sampling import logit_bias_tensors, sample_next
 from flotilla.bundle._torch import GENERATE_DEFAULTS
 from flotilla.data import DataSchema
@@ -90,7 +91,7 @@ class HFBundle:
     use, as they use `flotilla.bundle.InferenceBundle` (task `lm`: `predict_frame`, `generate`)."""
 
     path: Path
-    model: torch.nn.Module  # a transformers PreTrainedModel, in eval mode
+    model: torch.nn.Module  # a transformers PreTrainedModel, in eval mode (or an `OnnxCausalLM`: its ONNX variant)
     tokenizer: Any
     model_spec: dict[str, Any]
     metrics: dict[str, Any]
@@ -98,6 +99,7 @@ class HFBundle:
     adapter: str | None = None  # on a shared base (`AdapterSet`): the adapter this bundle generates with
     prefix: torch.Tensor | None = None  # prompt tuning: the virtual tokens' embeddings, before every input
     lock: Any = None  # on a shared base: held around each forward pass (peft's per-batch adapter hooks)
+    runtime: str = "torch"  # or the ONNX variant that runs the model (`with_runtime`)
 
     @property
     def generation_config(self):
@@ -109,18 +111,19 @@ class HFBundle:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        device = getattr(self.model, "device", None)
+        return torch.device(device) if device is not None else next(self.model.parameters()).device
 
     @property
-    def runtime(self) -> str:
-        return "torch"
+    def logit_count(self) -> int:
+        """Logits per position: the model's vocabulary (which may exceed the tokenizer's)."""
+        out = self.model.get_output_embeddings()
+        return out.weight.shape[0] if out is not None else self.model.config.vocab_size
 
     @property
     def vocab_size(self) -> int:
         """Token ids a prompt or a `logit_bias` may name: the tokenizer's that the model has logits for."""
-        out = self.model.get_output_embeddings()
-        logits = out.out_features if out is not None else self.model.config.vocab_size
-        return min(len(self.tokenizer), logits)
+        return min(len(self.tokenizer), self.logit_count)
 
     @property
     def max_positions(self) -> int | None:
@@ -161,10 +164,21 @@ class HFBundle:
         return self
 
     def with_runtime(self, runtime: str, check: bool = True) -> "HFBundle":
-        if runtime != "torch":
-            raise BundleError(f"serve.runtime {runtime!r}: a fine-tuned pretrained model runs in torch only; "
+        """This bundle with its model run by `runtime`: `torch` (itself), an ONNX variant `flotilla
+        export` built (`onnx`, `onnx-int8`, `onnx-int4`), or `auto` (the fastest that passed its gate).
+        A variant that is missing or failed its gate is refused unless `check` is off (the gate itself
+        runs it). The torch model is let go: a 4-bit replica holds only its 4-bit weights."""
+        name = choose_runtime(read_variants(self.path), runtime, str(self.path)) if check else runtime
+        if name == self.runtime:
+            return self
+        if name == "torch":
+            raise BundleError("this bundle runs an ONNX variant; load the bundle again for its torch model")
+        if self.prefix is not None or self.lock is not None:
+            raise BundleError(f"serve.runtime {name!r}: prompt tuning and adapters on one base run in torch; "
                               "`--set serve.runtime=torch`")
-        return self
+        model = OnnxCausalLM(Path(self.path) / VARIANTS_DIR / name / ONNX_FILE, self.model.config,
+                             self.model.generation_config)
+        return replace(self, model=model, runtime=name)
 
     def stop_ids(self) -> set[int]:
         """Tokens that end a generation: the generation config's eos (one or a list) and the tokenizer's."""

@@ -118,7 +118,7 @@ class InferenceBundle:
         return read_variants(self.path) if self.path is not None else {}
 
     def with_runtime(self, runtime: str, check: bool = True) -> "InferenceBundle":
-        """This bundle with its model run by `runtime`: `torch` (itself), `onnx` or `onnx-int8` (its
+        """This bundle with its model run by `runtime`: `torch` (itself), `onnx`, `onnx-int8` or `onnx-int4` (its
         variant, through ONNX Runtime), or `auto` (the fastest that passed its gate). A variant that
         is missing or failed its gate is refused unless `check` is off (the gate itself runs it)."""
         name = choose_runtime(self.variants, runtime, str(self.path)) if check else runtime

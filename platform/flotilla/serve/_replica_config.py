@@ -45,7 +45,7 @@ class ReplicaLimits(_Strict):
     num_cpus: int = Field(ge=1)  # torch threads
     num_gpus: float = Field(ge=0)
     allow_factories: tuple[str, ...] = ()  # custom model factories a version may import
-    runtime: str = "torch"  # serve.runtime: torch, onnx, onnx-int8 or auto
+    runtime: str = "torch"  # serve.runtime: torch, onnx, onnx-int8, onnx-int4 or auto
     max_adapters: int = Field(0, ge=0)  # serve.adapters.max_per_replica: 0, whole models; K, adapters on one base
 
     @classmethod

@@ -617,17 +617,23 @@ class TrackSpec(_Section):
 
 
 # ---------------------------------------------------------------------------- export
-VARIANTS = ("onnx", "onnx-int8")
+VARIANTS = ("onnx", "onnx-int8", "onnx-int4")
 
 
 class ExportSpec(_Section):
     """ONNX variants of a registered version (`flotilla export`): each is checked against the torch
     model on the run's validation rows (its parity gate) before serving may use it."""
 
-    variants: list[Literal["onnx", "onnx-int8"]] = Field(
-        ["onnx", "onnx-int8"],
-        description="Variants to build: `onnx` (the fp32 graph, run by ONNX Runtime) and `onnx-int8` (its weights "
-        "quantized to int8 by ONNX Runtime's dynamic quantization).",
+    variants: list[Literal["onnx", "onnx-int8", "onnx-int4"]] = Field(
+        ["onnx", "onnx-int8", "onnx-int4"],
+        description="Variants to build: `onnx` (the fp32 graph, run by ONNX Runtime), `onnx-int8` (its weights "
+        "quantized to int8 by ONNX Runtime's dynamic quantization) and, for language models (`gpt`, "
+        "`hf_causal_lm`), `onnx-int4` (weights only, in 4 bits: ONNX Runtime's `MatMulNBits`; a table model "
+        "gets no 4-bit variant).",
+    )
+    int4_block_size: Literal[16, 32, 64, 128, 256] = Field(
+        32, description="`onnx-int4`: weights that share one scale (a block along a matrix's input). Smaller "
+        "blocks keep more precision and take more bytes (32: ~4.5 bits a weight).",
     )
     max_accuracy_drop: float = Field(
         0.005, description="A classifier's variant fails its gate when its validation accuracy is below the torch "
@@ -636,6 +642,11 @@ class ExportSpec(_Section):
     max_relative_increase: float = Field(
         0.02, description="A language model's (perplexity) or regressor's (RMSE) variant fails its gate when its "
         "validation metric is above the torch model's by more than this fraction (0.02: 2 %).",
+    )
+    max_eval_drop: float = Field(
+        0.02, description="A language model's variant also fails its gate when `flotilla eval --runtime VARIANT` "
+        "scores it below the torch model on the same tasks by more than this, on any task's metric (absolute: "
+        "0.02 is two points of accuracy).",
     )
     after_training: bool = Field(
         False, description="Build, gate and time the variants at the end of `flotilla train`, once the version is "

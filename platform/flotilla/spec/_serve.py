@@ -129,10 +129,10 @@ class ServeSpec(_Section):
         "model of the cluster at `/v1` (`/v1/models`, `/v1/chat/completions`, `/v1/completions`, routed by the "
         "request's `model`), beside the model's own prefix. Started once; models deployed later join it.")
     adapters: AdaptersSpec = Field(default_factory=AdaptersSpec, description="Many adapters on one replica.")
-    runtime: Literal["torch", "onnx", "onnx-int8", "auto"] = Field(
+    runtime: Literal["torch", "onnx", "onnx-int8", "onnx-int4", "auto"] = Field(
         "torch",
         description="What runs the model in a replica: `torch`, or a variant `flotilla export` built and gated "
-        "(`onnx`, `onnx-int8`); a version without that variant, or whose variant failed its gate, is refused. "
+        "(`onnx`, `onnx-int8`, and for language models `onnx-int4`); a version without that variant, or whose variant failed its gate, is refused. "
         "`auto`: the fastest of torch and the variants that passed, as measured when they were exported (torch "
         "for a version without variants, and on a GPU replica). The `X-Model-Runtime` header says which answered.",
     )

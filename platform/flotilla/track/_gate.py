@@ -103,7 +103,7 @@ class BundleEvaluator:
             labels = torch.as_tensor(np.stack(batch[LABELS].to_numpy()))
             if inputs.dim() == 3:  # preference pairs: scored on the chosen answers (a DPO run's val_perplexity)
                 inputs, labels = inputs[:, 0], labels[:, 0]
-            vocab = b.model.get_output_embeddings().weight.shape[0]
+            vocab = b.logit_count
             if int(inputs.max()) >= vocab:
                 raise BundleError(f"its vocabulary has {vocab} tokens and this run's tokenizer makes ids up to "
                                   f"{int(inputs.max())}: the two models tokenize differently")
