@@ -144,14 +144,24 @@ def quantize_int8(source: Path, target: Path) -> None:
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
 
 
-def quantize_int4(source: Path, target: Path, block_size: int = 32) -> None:
+INT4_ACCURACY_LEVELS = {"fp32": 1, "int8": 4}  # `export.int4_compute` -> MatMulNBits' accuracy_level
+
+
+def quantize_int4(source: Path, target: Path, block_size: int = 32, compute: str = "int8") -> None:
     """ONNX Runtime's 4-bit weight-only quantization: each matrix multiplication's weights (and the
     token embedding's) in blocks of `block_size` along the input, one scale per block, symmetric
-    (`MatMulNBits`, `GatherBlockQuantized`); activations stay in floating point."""
+    (`MatMulNBits`, `GatherBlockQuantized`). `compute`: `int8` multiplies with activations quantized
+    per block on the fly (int8 dot products), `fp32` with the weights dequantized."""
     import onnx
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    # (Importing the quantizer configures the process's root logger at INFO: undone here.)
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    root.handlers[:], root.level = handlers, level
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
+                                          accuracy_level=INT4_ACCURACY_LEVELS[compute],
                                           op_types_to_quantize=("MatMul", "Gather"))
     with _quiet("root", "onnxruntime"), warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
         warnings.simplefilter("ignore")  # (an all-zero block divides 0 by its zero scale, then is written as 0)
@@ -189,7 +199,7 @@ def build_variants(bundle, batches: Iterable[pd.DataFrame], export, label_column
             quantize_int8(fp32, Path(tmp) / "int8.onnx")
             built["onnx-int8"] = Path(tmp) / "int8.onnx"
         if "onnx-int4" in export.variants and bundle.task == "lm":  # (weights in 4 bits: language models)
-            quantize_int4(fp32, Path(tmp) / "int4.onnx", export.int4_block_size)
+            quantize_int4(fp32, Path(tmp) / "int4.onnx", export.int4_block_size, export.int4_compute)
             built["onnx-int4"] = Path(tmp) / "int4.onnx"
         if out.exists():
             shutil.rmtree(out)

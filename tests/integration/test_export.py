@@ -1,4 +1,4 @@
-"""ONNX and int8 variants: `flotilla export` on the session's registered digits MLP and small GPT,
+"""ONNX, int8 and 4-bit variants: `flotilla export` on the session's registered digits MLP and small GPT,
 their parity gates, and the same rows over HTTP through each runtime.
 
 The variants join the session's logged models (their artifacts are shared by every store copy);
@@ -105,7 +105,7 @@ def test_gpt_variants_carry_the_kv_cache_and_generate_like_torch(store, gpt_cham
     assert code == 0, out
     client = MlflowClient(store_uri(store))
     tags = client.get_model_version("pycode-gpt", "1").tags
-    for variant in ("onnx", "onnx-int8"):  # perplexity within 2 % of torch's on the validation windows
+    for variant in ("onnx", "onnx-int8", "onnx-int4"):  # perplexity within 2 % of torch's on the validation windows
         assert tags[f"flotilla.runtime.{variant}"].startswith("passed: val_perplexity"), tags
 
     torch_bundle = load_registered_bundle(client, "pycode-gpt", "1")
@@ -120,3 +120,5 @@ def test_gpt_variants_carry_the_kv_cache_and_generate_like_torch(store, gpt_cham
     assert text == torch_bundle.generate("def main(", **greedy)
     sampled = int8.generate("import os\n", max_tokens=100, temperature=0.8, top_k=20, seed=0)
     assert sampled == int8.generate("import os\n", max_tokens=100, temperature=0.8, top_k=20, seed=0, cache=False)
+    int4 = load_registered_bundle(client, "pycode-gpt", "1", runtime="onnx-int4")  # 4-bit weights, the same cache
+    assert int4.generate("def main(", **greedy) == int4.generate("def main(", cache=False, **greedy)

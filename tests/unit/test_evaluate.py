@@ -43,3 +43,39 @@ def test_the_harness_results_become_eval_task_metric():
                            "arith_gen": {"exact_match,none": 0.1, "exact_match,strict-match": 0.05}}}
     assert task_metrics(results) == {"eval.arith.acc": 0.4, "eval.arith_gen.exact_match": 0.1,
                                      "eval.arith_gen.exact_match_strict_match": 0.05}
+
+
+def test_a_base_url_must_answer_with_the_version_and_runtime_being_scored():
+    """`--base-url` is checked by the headers of a few completions: another version, or the same
+    version run by another runtime, would put someone else's scores on this one."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from flotilla.evaluate import _check_serves
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("X-Model-Version", "3")
+            self.send_header("X-Model-Runtime", "torch")
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [{"text": "x"}]}')
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        _check_serves(url, "m", "3", "torch")  # what it serves: fine
+        with pytest.raises(SpecError, match=r"answers m with v3, not only v4"):
+            _check_serves(url, "m", "4", "torch")
+        with pytest.raises(SpecError, match=r"runs m v3 with torch, not onnx-int4: its scores would be another "
+                                            r"runtime's. Leave --base-url out"):
+            _check_serves(url, "m", "3", "onnx-int4")
+    finally:
+        server.shutdown()
+        server.server_close()
