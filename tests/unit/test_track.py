@@ -328,3 +328,22 @@ def test_the_harness_says_which_scores_are_better_higher():
 
     assert higher_is_better({"higher_is_better": {"arith": {"acc": True}, "wiki": {"word-perplexity": False}}}) == \
         {"eval.arith.acc": True, "eval.wiki.word_perplexity": False}
+
+
+def test_an_epoch_is_in_mlflow_once_the_logger_is_flushed(tmp_path):
+    """A trial's epoch reaches MLflow before Tune hears of it (a scheduler that stops the trial then
+    ends its process): after `flush`, the point is in the store."""
+    from flotilla.track import EpochMetricsLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("e"))
+    logger = EpochMetricsLogger(uri, run.info.run_id, set())
+    for epoch in (1, 2):
+        logger.record({"epoch": epoch, "val_accuracy": 0.5 + epoch / 10, "ended_at": time.time()})
+        assert logger.flush(timeout_s=60)
+        history = client.get_metric_history(run.info.run_id, "val_accuracy")
+        assert [(m.step, m.value) for m in history] == [(e, pytest.approx(0.5 + e / 10)) for e in range(1, epoch + 1)]
+    logger.record({"epoch": 2, "val_accuracy": 0.0})  # re-reported after a resume: kept once
+    assert logger.flush(timeout_s=60)
+    assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 2

@@ -139,6 +139,7 @@ class EpochMetricsLogger:
         self.uri, self.run_id, self.logged_steps = uri, run_id, set(logged_steps)
         self._queue: queue.Queue | None = None
         self._pending = 0  # epochs queued and not yet in MLflow
+        self._failing = False  # the sender is retrying an epoch the server did not take
         self._sent = threading.Condition()
 
     def record(self, metrics: dict[str, Any]) -> None:
@@ -181,9 +182,11 @@ class EpochMetricsLogger:
             look()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the queued epochs to reach MLflow; whether they all did."""
+        """Wait up to `timeout_s` for the queued epochs to reach MLflow; whether they all did. A
+        server that is away is waited for only until MLflow's own retries give up (False): its
+        epochs follow when it is back."""
         with self._sent:
-            return self._sent.wait_for(lambda: self._pending == 0, timeout_s)
+            return self._sent.wait_for(lambda: self._pending == 0 or self._failing, timeout_s) and not self._pending
 
     def _send_forever(self) -> None:
         client = MlflowClient(self.uri)
@@ -195,6 +198,9 @@ class EpochMetricsLogger:
                     client.log_batch(self.run_id, metrics=points)
                     break
                 except Exception as e:  # the server is away: keep the epoch, try again
+                    with self._sent:
+                        self._failing = True
+                        self._sent.notify_all()
                     if not warned:
                         print(f"WARNING: could not log epoch {step} to MLflow ({redact(summarize(e, 200))}); "
                               f"training goes on, retrying every {self.RETRY_S:.0f}s", flush=True)
@@ -204,6 +210,7 @@ class EpochMetricsLogger:
                 print(f"MLflow reachable again: epoch {step} logged", flush=True)
             with self._sent:
                 self._pending -= 1
+                self._failing = False
                 self._sent.notify_all()
 
 

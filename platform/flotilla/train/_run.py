@@ -316,6 +316,10 @@ def _fit_here(config: WorkerConfig, prepared, fs: pafs.FileSystem, run_root: str
     def on_report(metrics: dict[str, Any]) -> None:
         if epoch_logger is not None:
             epoch_logger.record(metrics)
+            # In MLflow before Tune hears of it: a scheduler that stops the trial on this report
+            # ends its process, and an epoch still queued would be lost (a server that is away is
+            # not waited for).
+            epoch_logger.flush(timeout_s=30)
         tune.report(metrics)
 
     session = InProcess({"train": prepared.train, "val": prepared.val}, fs, run_root,
