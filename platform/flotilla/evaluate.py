@@ -88,7 +88,7 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
                                   max_length=context)
         metrics = task_metrics(results)
         if runtime != "torch":
-            return _judge_variant(found, runtime, url, results, names, include, Path(tmp), config=config,
+            return _judge_variant(found, runtime, url, results, metrics, names, include, Path(tmp), config=config,
                                   overrides=list(overrides), limit=limit, chat=chat, context=context)
         _log(found.client, found.name, found.version, metrics, results, names, Path(tmp))
         waiting = found.client.get_model_version(found.name, found.version).tags.get(GATE_TAG) == "pending"
@@ -111,11 +111,11 @@ def evaluate_model(reference: str, tasks: str, tracking_uri: str | None = None, 
         return EvalOutcome(found.name, found.version, metrics, url, results, gated)
 
 
-def _judge_variant(found, runtime: str, url: str, results: dict[str, Any], names: list[str], include: Path, tmp: Path,
-                   *, config: str | None, overrides: list[str], limit: int | None, chat: bool,
+def _judge_variant(found, runtime: str, url: str, results: dict[str, Any], metrics: dict[str, float], names: list[str],
+                   include: Path, tmp: Path, *, config: str | None, overrides: list[str], limit: int | None, chat: bool,
                    context: int | None) -> EvalOutcome:
-    """A variant's scores, logged under its name; then torch on the same tasks, and the variant's gate."""
-    metrics = task_metrics(results)
+    """A variant's scores (`metrics`, of the harness's `results`), logged under its name; then torch on
+    the same tasks, and the variant's gate."""
     own = {f"variant.{runtime}.{key}": value for key, value in metrics.items()}
     _log(found.client, found.name, found.version, own, results, [runtime, *names], tmp)
     if limit is not None:

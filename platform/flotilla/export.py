@@ -405,9 +405,7 @@ def judge_variant_scores(found: LocalBundle, runtime: str, scores: dict[str, tup
     with tempfile.TemporaryDirectory(prefix="flotilla-variants-") as tmp:  # the records alone, not the graphs again
         (Path(tmp) / VARIANTS_JSON).write_text(json.dumps(records, indent=1))
         client.log_model_artifacts(_model_id(registered), tmp, artifact_path=f"{found.relative}/{VARIANTS_DIR}")
-    speed = record.get("speed", {})
-    tag = f"{'passed' if record['passed'] else 'failed'}: {record['reason']}; {speed.get('per_s', 0):.0f} {speed.get('unit', '')}"
-    client.set_model_version_tag(name, version, f"flotilla.runtime.{runtime}", redact(tag)[:5000])
+    client.set_model_version_tag(name, version, f"flotilla.runtime.{runtime}", _variant_tag(runtime, record))
     client.set_model_version_tag(name, version, "flotilla.runtime.auto", choose_runtime(records, "auto", name))
     client.log_batch(registered.run_id, metrics=[Metric(f"variant.{runtime}.gate_passed", float(record["passed"]),
                                                    int(time.time() * 1000), 0)])
@@ -466,16 +464,20 @@ def _publish(client, name: str, version: str, bundle_dir: Path, relative: str,
     now = int(time.time() * 1000)
     metrics = []
     for variant, r in records.items():
-        speed = r.get("speed", {})
-        rate = f"{speed.get('per_s', 0):.0f} {speed.get('unit', '')}"
-        if variant == "torch":
-            tag = f"measured: {rate}"
-        else:
-            tag = f"{'passed' if r['passed'] else 'failed'}: {r['reason']}; {rate}"
+        if variant != "torch":
             metrics += [Metric(f"variant.{variant}.max_difference", r["max_difference"], now, 0),
                         Metric(f"variant.{variant}.gate_passed", float(r["passed"]), now, 0)]
-        client.set_model_version_tag(name, version, f"flotilla.runtime.{variant}", redact(tag)[:5000])
-        if speed.get("per_s"):
-            metrics.append(Metric(f"variant.{variant}.per_s", speed["per_s"], now, 0))
+        client.set_model_version_tag(name, version, f"flotilla.runtime.{variant}", _variant_tag(variant, r))
+        if r.get("speed", {}).get("per_s"):
+            metrics.append(Metric(f"variant.{variant}.per_s", r["speed"]["per_s"], now, 0))
     client.set_model_version_tag(name, version, "flotilla.runtime.auto", choose_runtime(records, "auto", name))
     client.log_batch(found.run_id, metrics=metrics)
+
+
+def _variant_tag(variant: str, record: dict[str, Any]) -> str:
+    """A variant's `flotilla.runtime.<variant>` tag: its verdict and why, and its measured speed."""
+    speed = record.get("speed", {})
+    rate = f"{speed.get('per_s', 0):.0f} {speed.get('unit', '')}"
+    tag = f"measured: {rate}" if variant == "torch" else \
+        f"{'passed' if record['passed'] else 'failed'}: {record['reason']}; {rate}"
+    return redact(tag)[:5000]
