@@ -26,8 +26,8 @@ os.environ.setdefault("FLOTILLA_CHECKPOINT_KEY", os.urandom(16).hex())
 # The suite runs more busy threads than the machine has cores (two lanes; training workers, Ray
 # Data, replicas, each with its own thread pool). GNU OpenMP's threads spin at every barrier by
 # default; on 2 cores three processes training a small MLP with 2 threads each took ~6x as long as
-# with threads that sleep (~120 s against ~20 s each), and the whole suite ~3x. Set before any
-# process of the suite loads torch: the lanes, and every Ray process they start, inherit it.
+# with threads that sleep (~120 s against ~20 s each). Set before any process of the suite loads
+# torch: the lanes, and every Ray process they start, inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Ray exports application metrics every 10 s by default; a test run lasts seconds. Set before any
