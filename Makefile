@@ -33,8 +33,6 @@ demo: $(VENV)/.installed ## train the default model on a local Ray, register it,
 	$(VENV)/bin/flotilla train --config configs/digits.yaml
 	$(VENV)/bin/flotilla deploy --config configs/digits.yaml --query
 
-# (Threads that sleep at OpenMP barriers instead of spinning: the suite runs more busy threads than cores.)
-test: export OMP_WAIT_POLICY ?= PASSIVE
 test: $(VENV)/.installed test-services ## the whole suite in two lanes (TEST_LANES=0: one); PYTEST_ARGS passes options
 	$(PY) -m pytest -n $(TEST_LANES) --dist loadgroup $(PYTEST_ARGS)
 

@@ -318,7 +318,7 @@ def _fit_here(config: WorkerConfig, prepared, fs: pafs.FileSystem, run_root: str
             epoch_logger.record(metrics)
             # In MLflow before Tune hears of it: a scheduler that stops the trial on this report
             # ends its process, and an epoch still queued would be lost (a server that is away is
-            # not waited for).
+            # waited for only until MLflow's own retries give up, and at most 30 s).
             epoch_logger.flush(timeout_s=30)
         tune.report(metrics)
 
