@@ -461,7 +461,7 @@ def test_many_adapters_share_one_replica_and_its_base(finetuned, tiny_llama, tmp
         serve.shutdown()
 
 
-CHAT_FUZZ_CASES = 400  # per route: 800 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
+CHAT_FUZZ_CASES = 200  # per route: 400 for the endpoint (drawing from the chat schema is slow, ~15 ms a body)
 
 
 def test_the_harness_judges_the_registered_model_through_its_endpoint(finetuned, tiny_llama, tmp_path):

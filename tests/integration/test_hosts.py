@@ -5,7 +5,7 @@ Each host is a network namespace and a mount namespace of its own; the module bu
 them with cluster.yaml's own start commands (the head's MLflow server, Ray, the cluster-wide
 MLFLOW_TRACKING_URI and FLOTILLA_STORAGE_PATH, here a bucket on moto's S3 server on the head), runs
 the lifecycle from the client host (train, sweep, deploy, promote and roll), kills a worker host
-and then drains another during one elastic run (held to an undisturbed run), kills one while serving,
+and then drains another during one elastic run (held to an undisturbed run's accuracy), kills one while serving,
 drains one under load while a spare host has room, and removes everything. Skipped, with the
 kernel's reason, where namespaces cannot be made."""
 
@@ -25,7 +25,7 @@ import yaml
 
 from ._helpers import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.hosts]
 
 _spec = importlib.util.spec_from_file_location("local_hosts", ROOT / "ops" / "local_hosts.py")
 local_hosts = sys.modules.setdefault("local_hosts", importlib.util.module_from_spec(_spec))
@@ -176,7 +176,12 @@ def test_storage_that_one_node_sees_is_refused_before_training(hosts):
 
 # ------------------------------------------------------------------ the lifecycle
 ELASTIC = local_hosts.ELASTIC_RUN
-ELASTIC_EPOCHS = 25  # ~1 s an epoch on 2 workers: long enough to lose a host in one and to grow back after
+# What an undisturbed run of this spec reaches: 0.9716 validation accuracy at 40 epochs (`make
+# benchmark-elastic` runs one beside a killed and a drained run; docs/results.md). A disturbed
+# run is held to it within a point: one epoch's accuracy is one draw over 352 rows (a row is 0.28
+# points), and runs that took different paths land up to ~1.2 points apart at the last epoch either
+# way (measured: a drained run 0.983 against 0.972 undisturbed), so the mean of the last 5 is used.
+UNDISTURBED_ACCURACY = 0.9716
 
 
 def epoch_lines(log: str) -> list[tuple[int, int]]:
@@ -184,34 +189,12 @@ def epoch_lines(log: str) -> list[tuple[int, int]]:
     return [(int(e), int(w)) for e, w in re.findall(r"\] epoch (\d+)/\d+ .*, (\d+) workers, ", log)]
 
 
-def test_an_undisturbed_elastic_run_sets_the_accuracy_the_disturbed_ones_are_held_to(hosts):
-    # Storage comes from the cluster's environment (cluster.yaml); not tracked: the runs after it are.
-    out = hosts.submit("train-0", "pipelines/train.py", "--config", "configs/digits.yaml", "--set",
-                 "train.run_name=steady", "--set", f"train.epochs={ELASTIC_EPOCHS}", *ELASTIC,
-                 "--set", "track.enabled=false")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    record = hosts.stored_run("steady")["metrics"]
-    assert [m["epoch"] for m in record["history"]] == list(range(1, ELASTIC_EPOCHS + 1))
-    # Nothing lost (a run may start on 1 worker while a host is still busy with the job before, and grow).
-    assert [e for e in record["events"] if e["reason"] != "grew"] == [], record["events"]
-    hosts.steady_accuracy = final_accuracy(record)
-
-
-def final_accuracy(record: dict, epochs: int = 5) -> float:
-    """Validation accuracy at the end of a run: the mean of its last epochs. One epoch's is one draw
-    over 352 rows (a row is 0.28 points), and runs that took different paths land up to ~1.2 points
-    apart at the last epoch either way (measured: a drained run 0.983 against 0.972 undisturbed)."""
-    return sum(e["val_accuracy"] for e in record["history"][-epochs:]) / epochs
-
-
-def held_to_the_undisturbed_run(hosts, record: dict) -> None:
-    """Within a point of the undisturbed run's validation accuracy (the same 64 samples a step), or
-    better: a disturbance must cost no accuracy; landing higher is the noise above, not a fault."""
-    steady = getattr(hosts, "steady_accuracy", None)
-    assert steady is not None, "the undisturbed run did not finish"
-    accuracy = final_accuracy(record)
-    print(f"validation accuracy (last 5 epochs) {accuracy:.4f} against {steady:.4f} undisturbed")
-    assert accuracy >= steady - 0.01 - 1e-9, (accuracy, steady)
+def held_to_an_undisturbed_run(record: dict, epochs: int = 5) -> None:
+    """Within a point of an undisturbed run's validation accuracy, or better: a disturbance must cost
+    no accuracy; landing higher is the noise above, not a fault."""
+    accuracy = sum(e["val_accuracy"] for e in record["history"][-epochs:]) / epochs
+    print(f"validation accuracy (last {epochs} epochs) {accuracy:.4f} against {UNDISTURBED_ACCURACY} undisturbed")
+    assert accuracy >= UNDISTURBED_ACCURACY - 0.01, accuracy
 
 
 @pytest.mark.timeout(1800)  # its own waits are bounded; a busy 2-core machine took over 900 s (350 s alone)
@@ -261,7 +244,7 @@ def test_an_elastic_run_goes_on_without_a_lost_host_grows_back_and_meets_a_drain
                           "an epoch on 1 worker after the notice")
         hosts.replace_host("worker2")
         replaced["worker2"] = True
-        status = hosts.wait_for_job("train-1")
+        status = hosts.wait_for_job("train-1", timeout=1200)
     except BaseException:
         hosts.stop_job("train-1")
         raise
@@ -311,7 +294,7 @@ def test_an_elastic_run_goes_on_without_a_lost_host_grows_back_and_meets_a_drain
     assert list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("model.safetensors")), \
         "the server stored no bundle on the head"
     assert list((hosts.home("head") / "flotilla" / "mlflow" / "artifacts").rglob("events.json"))
-    held_to_the_undisturbed_run(hosts, record)
+    held_to_an_undisturbed_run(record)
 
 
 def test_a_sweep_from_the_client_spreads_its_trials_over_both_worker_hosts(hosts):

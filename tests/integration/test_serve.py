@@ -284,7 +284,8 @@ def test_hostile_bodies_are_bounded_and_answered_4xx_never_500(served):
     assert replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables") == before  # none restarted
 
 
-FUZZ_CASES = 600  # per endpoint (Hypothesis draws the same ones every run)
+FUZZ_CASES = 300  # per endpoint (Hypothesis draws the same ones every run; 600 took ~140 s in the suite)
+TABLE_FUZZ_CASES = 120
 
 
 def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
@@ -323,12 +324,12 @@ def test_fuzzed_requests_never_get_a_5xx_nor_restart_a_replica(served):
     tables = st.fixed_dictionaries({"instances": st.lists(table_instance, min_size=1, max_size=3)}) | predict
 
     for name, target, bodies, examples in (("predict", url, predict, FUZZ_CASES), ("generate", gen, generate, FUZZ_CASES),
-                                           ("tables", served["tables"].url + "/predict", tables, FUZZ_CASES // 5)):
+                                           ("tables", served["tables"].url + "/predict", tables, TABLE_FUZZ_CASES)):
         statuses[name], errors = fuzz(target, bodies, examples)
         server_errors += [(name, *e) for e in errors]
     print(f"fuzzed: { {k: dict(sorted(v.items())) for k, v in statuses.items()} }")
     assert not server_errors, server_errors[:5]
-    assert all(sum(c.values()) >= FUZZ_CASES // (5 if k == "tables" else 1) for k, c in statuses.items()), statuses
+    assert all(sum(c.values()) >= (TABLE_FUZZ_CASES if k == "tables" else FUZZ_CASES) for k, c in statuses.items()), statuses
     assert all(statuses[k][200] > 0 for k in statuses), statuses  # valid bodies were drawn too
     # No replica died (8 clients may make the autoscaler add one; every replica of before still runs).
     assert set(before) <= set(replica_actors("digits") + replica_actors("pycode-gpt") + replica_actors("tables"))
