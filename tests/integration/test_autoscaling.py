@@ -25,7 +25,12 @@ def test_autoscaler_adds_workers_for_a_job_and_removes_them_when_idle(tmp_path):
     config = tmp_path / "cluster.local.yaml"
     config.write_text(re.sub(r"(?m)^idle_timeout_minutes: \S+", "idle_timeout_minutes: 0.2",
                              (ROOT / "cluster.local.yaml").read_text()))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"AUTOSCALER_UPDATE_INTERVAL_S": "2"}
+    # On 2 busy cores (the other lane training beside it) a new node's raylet has missed Ray's 10 s
+    # for registering with the GCS, and the GCS has marked nodes dead after 5 missed health checks:
+    # the nodes never joined (2026-12-07). Ray's own knobs give them a minute each.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+        "AUTOSCALER_UPDATE_INTERVAL_S": "2", "RAY_raylet_start_wait_time_s": "60",
+        "RAY_health_check_failure_threshold": "20"}
     try:
         run = subprocess.run(
             [sys.executable, str(ROOT / "ops" / "local_autoscaling.py"), "--temp-dir", str(temp_dir),
