@@ -39,7 +39,7 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # modules that use the session's trained models (`digits_champion`, ...) or Serve on the local Ray;
 # the other the modules that build clusters of their own (Serve there runs in other network
 # namespaces), those that need only a local Ray, which that lane starts for itself, and the unit
-# tests (no Ray): about equal halves (measured 2026-12-07: ~3400 and ~2900 s of the lanes' time).
+# tests (no Ray): about equal halves (measured 2026-12-07: ~3100 and ~2900 s of the lanes' time).
 # Each lane is one process that runs its modules in file order, so module- and session-scoped
 # fixtures are built once. The hosts of test_hosts.py (marked `hosts`) are in neither: `make test`
 # runs them after the lanes, alone.

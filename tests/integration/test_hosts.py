@@ -5,8 +5,8 @@ Each host is a network namespace and a mount namespace of its own; the module bu
 them with cluster.yaml's own start commands (the head's MLflow server, Ray, the cluster-wide
 MLFLOW_TRACKING_URI and FLOTILLA_STORAGE_PATH, here a bucket on moto's S3 server on the head), runs
 the lifecycle from the client host (train, sweep, deploy, promote and roll), kills a worker host
-and then drains another during one elastic run (held to an undisturbed run's accuracy), kills one while serving,
-drains one under load while a spare host has room, and removes everything. Skipped, with the
+and then drains another during one elastic run (held to an undisturbed run's accuracy), kills one
+while serving, drains one under load while a spare host has room, and removes everything. Skipped, with the
 kernel's reason, where namespaces cannot be made."""
 
 from __future__ import annotations
