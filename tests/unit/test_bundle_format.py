@@ -184,7 +184,8 @@ def test_a_v1_bundle_serves_the_recorded_features(tmp_path):
 
 def test_loading_and_applying_a_bundle_imports_nothing_of_rays_preprocessors():
     """In a fresh interpreter: every fixture entry loaded and applied, and Ray's preprocessor classes
-    (and the private names of their module) never imported."""
+    (and the private names of their module) never imported; nor torch, which the Ray Data workers
+    that apply these transforms to a run's data have no use for."""
     script = f"""
 import json, sys
 from pathlib import Path
@@ -201,7 +202,7 @@ for path in sorted(Path({str(FIXTURES)!r}).glob("*.json")):
     if case["preprocessors"]["label"]:
         label = from_json(case["preprocessors"]["label"])
         label.transform_batch(pd.DataFrame({{label.label_column: case["label"]["values"]}}))
-loaded = sorted(m for m in sys.modules if m.startswith("ray.data.preprocessors"))
+loaded = sorted(m for m in sys.modules if m.startswith("ray.data.preprocessors") or m == "torch")
 print(json.dumps(loaded))
 """
     env = {"PYTHONPATH": str(ROOT / "platform"), "PATH": "/usr/bin:/bin"}

@@ -37,7 +37,6 @@ import numpy as np
 import pandas as pd
 
 from flotilla.errors import DataError
-from flotilla.models._hf_tiny import resolve_pretrained
 
 INPUT_IDS, LABELS = "input_ids", "labels"
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -67,6 +66,10 @@ def detect_format(columns: Iterable[str]) -> str:
 def load_tokenizer(pretrained: str, revision: str | None = None, trust_remote_code: bool = False):
     """The pretrained model's tokenizer, loaded once per process."""
     from transformers import AutoTokenizer
+
+    # Imported here: the `flotilla.models` package loads torch, and `flotilla.data` is loaded by every
+    # Ray Data worker that prepares a run's data, which needs no torch (~2.5 CPU-seconds each).
+    from flotilla.models._hf_tiny import resolve_pretrained
 
     try:
         return AutoTokenizer.from_pretrained(resolve_pretrained(pretrained), revision=revision, trust_remote_code=trust_remote_code)
