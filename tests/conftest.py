@@ -34,6 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # local Ray starts, so its processes (and the workers they spawn) export every 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
+# A raylet starts a Python worker per CPU when the first driver connects, in no runtime environment;
+# every Flotilla job has one (its code, as `py_modules`), so none of them ever runs a task here:
+# ~1.3 CPU-seconds each, at every node the suite starts, for nothing.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
 # `pytest -n 2 --dist loadgroup` runs the suite in two lanes at once: it spends a third of its time
 # waiting (clusters starting, autoscalers, health checks, load for N seconds). One lane holds the
 # modules that use the session's trained models (`digits_champion`, ...) or Serve on the local Ray;

@@ -28,38 +28,37 @@ def _train(tmp_path, name: str, *overrides: str):
     return spec, run_training(spec)
 
 
-@pytest.fixture(scope="module")
-def plain(ray_cluster, tmp_path_factory):
-    """The same run with DeepSpeed's plain fp32 all-reduce: what every option is held to."""
-    spec, outcome = _train(tmp_path_factory.mktemp("plain"), "plain")
-    assert outcome.metrics["gradient_dtype"] == "float32"
-    return outcome.metrics["val_accuracy"]
+# What every option is held to, within a point: the same run with DeepSpeed's plain fp32 all-reduce
+# (no `train.comm`) reached 0.9659 in each of two runs on the 2-core EPYC, 2026-12-08 (docs/results.md,
+# "Test suite"). It is not trained here again: a run costs ~100 CPU-seconds of start-up, for a number that
+# came out the same twice (`make benchmark-comm` compares live runs of every option, across hosts).
+PLAIN_ACCURACY = 0.9659
 
 
 @pytest.mark.parametrize("option, sent", [
     ("train.comm.compression=int8", "int8"),
     ("train.comm.compression=powersgd", "powersgd"),
 ])
-def test_compressed_gradients_train_as_well_as_plain_all_reduce(plain, tmp_path, option, sent):
+def test_compressed_gradients_train_as_well_as_plain_all_reduce(ray_cluster, tmp_path, option, sent):
     spec, outcome = _train(tmp_path, sent, option)
     last = outcome.metrics
-    print(f"{option}: val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {plain:.4f})")
+    print(f"{option}: val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {PLAIN_ACCURACY:.4f})")
     assert (last["gradient_dtype"], last["sync_every"], last["world_size"]) == (sent, 1, 2)
-    assert last["val_accuracy"] >= plain - 0.01
+    assert last["val_accuracy"] >= PLAIN_ACCURACY - 0.01
     client, runs = mlflow_runs(spec.track.uri)
     assert [r.data.tags["flotilla.gradient_dtype"] for r in runs] == [sent]
 
 
-def test_sync_every_auto_measures_chooses_and_records_it(plain, tmp_path):
+def test_sync_every_auto_measures_chooses_and_records_it(ray_cluster, tmp_path):
     spec, outcome = _train(tmp_path, "auto", "train.comm.sync_every=auto")
     last = outcome.metrics
     allreduce, compute, every = last["sync_allreduce_ms"], last["sync_compute_ms"], last["sync_every"]
-    print(f"auto: {last['sync_auto']}; val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {plain:.4f})")
+    print(f"auto: {last['sync_auto']}; val_accuracy {last['val_accuracy']:.4f} (plain all-reduce {PLAIN_ACCURACY:.4f})")
     assert allreduce > 0 and compute > 0
     # The smallest N whose share of a step in communication is at most a fifth (1 when it already is).
     assert every == max(1, min(64, math.ceil(4 * allreduce / compute - 1e-6))), (allreduce, compute, every)
     assert last["gradient_dtype"] == ("not sent" if every > 1 else "float32")
-    assert last["val_accuracy"] >= plain - 0.01
+    assert last["val_accuracy"] >= PLAIN_ACCURACY - 0.01
     client, runs = mlflow_runs(spec.track.uri)
     (run,) = runs
     assert run.data.tags["flotilla.sync_every"] == str(every)
