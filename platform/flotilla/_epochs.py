@@ -1,53 +1,30 @@
 """Each epoch's metrics on their way from Ray Train's controller to the driver, through the run's storage.
 
-    callbacks=[EpochRelay(fs, directory)]        # in Ray Train's controller: one small JSON file per epoch
+    callbacks=[EpochRelay(fs, directory)]        # in Ray Train's controller (flotilla._epoch_relay)
     for metrics in read_new(fs, directory, seen): ...   # in the driver: the epochs not seen yet
 
 The driver owns the MLflow run and logs what this relays (flotilla.track.EpochMetricsLogger). The
 controller only writes files where the run keeps its checkpoints (storage every node reaches), so
 it loads neither MLflow nor its database driver: a few CPU-seconds less on every run. This module
-imports nothing heavier than Ray and pyarrow, since the controller imports it to run the callback.
+imports nothing heavier than pyarrow: `flotilla.track` reads the epochs with it, and every process
+that loads track (a Serve replica, `flotilla eval`) would otherwise import Ray Train for nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from typing import Any
 
 import pyarrow.fs as pafs
-import ray.train
 
 EPOCHS_DIR = "epoch_metrics"
 _NAME = re.compile(r"epoch_(\d{4,})\.json$")
 
 
-class EpochRelay(ray.train.UserCallback):
-    """Writes each reported epoch (rank 0's metrics; they are reduced across ranks) to
-    `<directory>/epoch_NNNN.json`, `directory` a path on `fs` (the driver's own filesystem object,
-    pickled to the controller). A write that fails is said and skipped: the driver fills in every
-    epoch at the end of the run."""
-
-    def __init__(self, fs: pafs.FileSystem, directory: str):
-        self.fs, self.directory = fs, directory
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics or metrics[0].get("within_epoch"):  # (a checkpoint within an epoch: no epoch to log)
-            return
-        step = int(metrics[0].get("epoch", 0))
-        fs, root = self.fs, self.directory
-        final, partial = f"{root}/epoch_{step:04d}.json", f"{root}/.epoch_{step:04d}.json.partial"
-        try:
-            fs.create_dir(root, recursive=True)
-            with fs.open_output_stream(partial) as f:
-                f.write(json.dumps(metrics[0], default=str).encode())
-            fs.move(partial, final)  # the driver never reads half a file
-        except Exception as e:  # storage trouble (full?): the epoch reaches MLflow at the end instead
-            with contextlib.suppress(Exception):
-                fs.delete_file(partial)
-            print(f"WARNING: could not hand epoch {step}'s metrics to the driver ({type(e).__name__}: {e}); "
-                  "they are logged when the run ends", flush=True)
+def epoch_file(directory: str, step: int) -> str:
+    """Where the epoch `step`'s metrics are written (`EpochRelay`) and read (`read_new`)."""
+    return f"{directory}/epoch_{step:04d}.json"
 
 
 def read_new(fs: pafs.FileSystem, directory: str, seen: set[int]) -> list[dict[str, Any]]:

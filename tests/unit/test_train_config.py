@@ -100,7 +100,7 @@ def test_a_training_worker_and_the_train_controllers_relay_do_not_load_mlflow():
     import subprocess
     import sys
 
-    probe = ("import sys; import flotilla.train._loop, flotilla._epochs; "
+    probe = ("import sys; import flotilla.train._loop, flotilla._epoch_relay; "
              "print(sorted(m for m in ('mlflow', 'sqlalchemy') if m in sys.modules)); "
              "import mlflow; print(mlflow.MlflowClient.__name__)")  # hidden only while DeepSpeed loads
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -124,7 +124,7 @@ class EpochMetricsLogger:
     """Logs each epoch's metrics with step = epoch, from the driver.
 
     Ray Train's controller hands every reported epoch over through the run's storage
-    (`flotilla._epochs.EpochRelay`); `watching` reads them while the run trains. A one-worker trial
+    (`flotilla._epoch_relay.EpochRelay`); `watching` reads them while the run trains. A one-worker trial
     that trains in this process calls `record` instead. Training never waits on MLflow: epochs are
     queued, and a thread of this process sends them (with MLflow's own retries; after they give up,
     again every few seconds). A tracking server that is down for a while delays the metrics, not

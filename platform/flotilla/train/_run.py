@@ -23,7 +23,8 @@ from ray.data.dataset import MaterializedDataset
 from ray.train.torch import TorchTrainer
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from flotilla._epochs import EPOCHS_DIR, EpochRelay
+from flotilla._epoch_relay import EpochRelay
+from flotilla._epochs import EPOCHS_DIR
 from flotilla.bundle import BUNDLE_COPYING, read_bundle_metrics
 from flotilla.cluster import (
     AUTOSCALING_COORDINATOR,
