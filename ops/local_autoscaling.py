@@ -39,6 +39,9 @@ BIN = Path(sys.executable).parent
 TAG = "[local-cluster]"
 
 
+START_ATTEMPTS = 3  # `ray start --head` timed out on its own startup clock: started again (LocalCluster.start)
+
+
 def _free_ports(n: int) -> list[int]:
     """`n` distinct free ports (each socket stays bound until all are picked, so none repeats)."""
     with contextlib.ExitStack() as stack:
@@ -74,6 +77,19 @@ class LocalCluster:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 180) -> None:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            if self._start_once(timeout_s, last=attempt == START_ATTEMPTS):
+                say(f"head up: GCS 127.0.0.1:{self.gcs_port}, dashboard and jobs API {self.address}, 0 CPUs")
+                return
+            # "The current node timed out during startup ... the GCS has become overloaded": `ray start`
+            # gives its raylet a fixed 30 s to register, which a busy 2-core machine can exceed. What the
+            # attempt started is stopped, and the head starts again.
+            say(f"ray start --head timed out during startup (attempt {attempt}); starting it again")
+            self._kill_leftovers()
+
+    def _start_once(self, timeout_s: float, last: bool) -> bool:
+        """True once the head is up; False when `ray start` gave up on its own startup clock and may be
+        tried again; any other failure raises."""
         # Ports of its own throughout: another local Ray may hold the defaults.
         names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
                  "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
@@ -93,17 +109,18 @@ class LocalCluster:
         while True:  # up means the jobs API answers (asked from here: a `ray job list` costs ~1.5 CPU-s)
             try:
                 JobSubmissionClient(self.address).list_jobs()
-                break
+                return True
             except Exception as e:  # not up yet
                 problem = str(e)
             if self.proc.poll() is not None:
                 self.log.flush()
                 tail = "".join(Path(self.log.name).read_text().splitlines(keepends=True)[-30:])
+                if "timed out during startup" in tail and not last:
+                    return False
                 raise RuntimeError(f"ray start exited with {self.proc.returncode}; the end of {self.log.name}:\n{tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the head did not come up in {timeout_s:.0f} s: {problem[-1000:]}")
             time.sleep(2)
-        say(f"head up: GCS 127.0.0.1:{self.gcs_port}, dashboard and jobs API {self.address}, 0 CPUs")
 
     def workers(self) -> dict[str, int] | None:
         """Alive worker nodes by type (from their resources: GPU → gpu_worker); None when the head
@@ -130,6 +147,10 @@ class LocalCluster:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        self._kill_leftovers()
+        self.log.close()
+
+    def _kill_leftovers(self) -> None:
         # Worker nodes were started by the autoscaler, not by `ray start`: find them by name.
         marks = (str(self.temp_dir), f"127.0.0.1:{self.gcs_port}")
         me = {os.getpid(), os.getppid()}  # this script's own command line may name the temp dir
@@ -142,7 +163,6 @@ class LocalCluster:
             except psutil.Error:
                 pass
         psutil.wait_procs(killed, timeout=15)  # gone, not merely signalled, when this returns
-        self.log.close()
 
 
 def _describe(counts: dict[str, int] | None) -> str:
